@@ -13,6 +13,7 @@ For every (M = s*b, C), n = 4, bf16 activations, fp32 mapping parameters it time
   output written once.
 
     python benchmarks/bench_mhc.py [--sizes 16384x4096 ...] [--no-compile] [--out table.md]
+                                   [--tiles tiles.json]
 """
 
 from __future__ import annotations
@@ -115,11 +116,28 @@ def time_parts_ours(cs):
     pl = [t.detach().clone().requires_grad_() for t in (phi, alpha, bias)]
     outs = triton_mhc.pre(xl, *pl, ITERS, EPS)
     grads = [cs.gy, torch.randn_like(hp), torch.randn_like(hq), torch.randn_like(hr)]
-    parts["pre bwd"] = bench(lambda: torch.autograd.backward(outs, grads, retain_graph=True))
+    # autograd.grad, not backward: no accumulation into .grad inside the timed region
+    parts["pre bwd"] = bench(lambda: torch.autograd.grad(outs, [xl] + pl, grads,
+                                                         retain_graph=True))
     ls = [t.detach().clone().requires_grad_() for t in (x, f, fb, hr, hq)]
     out = triton_mhc.combine(*ls)
-    parts["post bwd"] = bench(lambda: out.backward(cs.gx, retain_graph=True))
+    parts["post bwd"] = bench(lambda: torch.autograd.grad(out, ls, cs.gx, retain_graph=True))
     return parts
+
+
+def apply_tiles(path):
+    """Override ``triton_mhc.TILES`` from a JSON file (as written by tune_tiles.py)."""
+    import json
+
+    with open(path) as fh:
+        tiles = json.load(fh)
+    for key, value in tiles.items():
+        if key == "proj":
+            value = {int(n): tuple(v) for n, v in value.items()}
+        elif isinstance(value, list):
+            value = tuple(value)
+        setattr(triton_mhc.TILES, key, value)
+    return tiles
 
 
 def main():
@@ -130,7 +148,10 @@ def main():
     p.add_argument("--no-te", action="store_true")
     p.add_argument("--te-root", default=".te")
     p.add_argument("--out", default=None)
+    p.add_argument("--tiles", default=None, help="JSON tile overrides (tune_tiles.py)")
     args = p.parse_args()
+    if args.tiles:
+        print("tiles:", apply_tiles(args.tiles))
 
     te = None
     if not args.no_te:

@@ -141,10 +141,15 @@ def test_unsupported_streams_are_refused():
         triton_mhc.pre(x, *_params(3, 8, 0), 20, 1e-6)
 
 
-def test_gpt_model_triton_backend_matches_reference(seeded):
-    """End to end through the layer: same weights, Triton vs reference backend."""
+def test_gpt_model_triton_backend_matches_reference(seeded, monkeypatch):
+    """End to end through the layer: same weights, Triton vs reference backend; the layer's
+    combine hands its dx to pre's kernel in every sublayer."""
     from helpers import batch, build_gpt, lm_loss, tiny_config
 
+    claims = []
+    claim = triton_mhc._DxLink.claim
+    monkeypatch.setattr(triton_mhc._DxLink, "claim",
+                        lambda self, x: claims.append(claim(self, x)) or claims[-1])
     runs = []
     for backend in ("triton", "reference"):
         cfg = tiny_config(mhc_kernel_backend=backend, add_bias_linear=True)
@@ -156,6 +161,60 @@ def test_gpt_model_triton_backend_matches_reference(seeded):
         loss.backward()
         runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (loss_t, grads_t), (loss_r, grads_r) = runs
+    assert claims and all(claims), claims
     assert rel_err(loss_t, loss_r) < 1e-5
     for name, g in grads_r.items():
         assert rel_err(grads_t[name], g) < 2e-3, name
+
+
+def _sublayer(ops_pre, ops_combine, base, n, phi, alpha, bias, w, fb, up, as_views):
+    """One mHC sublayer as the layer runs it: pre -> f = y * w -> combine, on ``base``.
+
+    ``as_views``: pre and combine each get their own reshape of ``base [s, b, n*C]`` (what
+    HyperConnectionModule does), else both get the same tensor."""
+    c = w.shape[0]
+    leaves = [t.detach().clone().requires_grad_() for t in (base, phi, alpha, bias, w, fb)]
+    b, phi_l, alpha_l, bias_l, w_l, fb_l = leaves
+    x_pre = b.reshape(-1, n, c) if as_views else b
+    y, h_pre, h_post, h_res = ops_pre(x_pre, phi_l, alpha_l, bias_l, 20, 1e-6)
+    x_comb = b.reshape(-1, n, c) if as_views else x_pre
+    out = ops_combine(x_comb, y * w_l, fb_l, h_res, h_post)
+    out.backward(up)
+    return out.detach(), [t.grad for t in leaves], h_res
+
+
+@pytest.mark.parametrize("as_views", [False, True])
+def test_sublayer_dx_of_pre_and_combine_summed_in_pre_kernel(as_views):
+    """x feeds pre and combine; Triton sums the two dx in pre's kernel (no autograd add)."""
+    t, n, c = 23, 4, 40
+    x, phi, alpha, bias, _ = _pre_case(t, n, c, torch.float32, seed=11)
+    base = x.view(t, 1, n * c) if as_views else x
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(c, generator=g).to(DEV)
+    fb = torch.randn(c, generator=g).to(DEV)
+    up = torch.randn(t, n, c, generator=g).to(DEV)
+    out, grads, h_res = _sublayer(triton_mhc.pre, triton_mhc.combine, base, n, phi, alpha, bias,
+                                  w, fb, up, as_views)
+    assert h_res._mhc_dx_link.claimed, "combine did not hand its dx to pre"
+    out0, grads0, _ = _sublayer(ref.pre, ref.expand_combine, base, n, phi, alpha, bias, w, fb,
+                                up, as_views)
+    assert rel_err(out.view_as(out0), out0) < TOL[torch.float32]
+    for name, a, b in zip(("x", "phi", "alpha", "bias", "w", "f_bias"), grads, grads0):
+        assert rel_err(a, b) < TOL[torch.float32], f"d{name}: rel err {rel_err(a, b):.2e}"
+
+
+def test_combine_on_other_tensor_keeps_its_own_dx():
+    """A combine whose x is not pre's x (detached, or another tensor) must not hand over dx."""
+    x, phi, alpha, bias, _ = _pre_case(9, 4, 16, torch.float32, seed=4)
+    xl = x.clone().requires_grad_()
+    other = (x + 1).requires_grad_()
+    y, _, h_post, h_res = triton_mhc.pre(xl, phi, alpha, bias, 20, 1e-6)
+    out = triton_mhc.combine(other, y, None, h_res, h_post)
+    assert not h_res._mhc_dx_link.claimed
+    out.sum().backward()
+    xr = x.clone().requires_grad_()
+    other_r = (x + 1).requires_grad_()
+    y0, _, h_post0, h_res0 = ref.pre(xr, phi, alpha, bias, 20, 1e-6)
+    ref.expand_combine(other_r, y0, None, h_res0, h_post0).sum().backward()
+    assert rel_err(other.grad, other_r.grad) < TOL[torch.float32]
+    assert rel_err(xl.grad, xr.grad) < TOL[torch.float32]

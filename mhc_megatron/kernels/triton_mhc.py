@@ -16,19 +16,26 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``.
 * ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
-  (sigmoid and Sinkhorn backward, exact: each Sinkhorn iteration is recomputed from the
-  logits in reverse order, so no history is stored; writes the logit gradients for
-  ``dalpha``/``dbias``, ``dP`` and the RMS term), ``_pre_dx`` (``dx`` on a (token x channel)
-  grid) and ``_phi_grad`` (``dphi`` partials over fixed token chunks).
+  (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
+  into an fp32 scratch and walked back; writes the logit gradients for ``dalpha``/``dbias``,
+  ``dP`` and the RMS term) and ``_pre_dx_dphi`` (one more pass over x: ``dx`` and the
+  ``dphi`` partials together).
 
-The projection uses tensor-core dots with fp32 accumulation: TF32 for bf16/fp16 activations
-(exact for the activations, phi rounded to TF32) and 3xTF32 for fp32 activations;
-``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``) overrides.
+Gradient of x written once per sublayer: x feeds both "pre" and "combine"; when combine's
+mappings come from our pre on the same x, combine's backward hands its ``dx`` to pre's
+backward, whose dx kernel adds it (no separate autograd add; see ``_DxLink``).
+
+Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
+split into bf16 hi + lo halves (~16 mantissa bits of phi); fp16 x widened and TF32 (exact for
+x, phi rounded to TF32); fp32 x with 3xTF32. The backward dots use TF32 (16-bit x) or 3xTF32
+(fp32 x). ``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``) overrides them all.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -36,13 +43,22 @@ import triton.language as tl
 
 SUPPORTED_STREAMS = (1, 2, 4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """TF32 products are exact for bf16/fp16 activations (<= 8 mantissa bits; only phi is
-    rounded); fp32 activations get 3xTF32, which is close to full fp32 accuracy."""
+    """TF32 products are exact for bf16/fp16 activations (<= 11 mantissa bits; only the fp32
+    operand is rounded); fp32 activations get 3xTF32, close to full fp32 accuracy."""
     default = "tf32" if dtype in (torch.bfloat16, torch.float16) else "tf32x3"
     return os.environ.get("MHC_TRITON_DOT_PRECISION", default)
+
+
+def _projection_splits_phi(dtype: torch.dtype) -> bool:
+    """bf16 x: the projection runs on bf16 tensor cores with phi as hi + lo bf16 halves
+    (~16 mantissa bits, more than TF32's 11, and x needs no widening). Not for fp16 (phi's
+    small entries would lose bits in fp16's subnormal range) nor when the precision is
+    forced through ``MHC_TRITON_DOT_PRECISION``."""
+    return dtype == torch.bfloat16 and "MHC_TRITON_DOT_PRECISION" not in os.environ
 
 
 def _padded_m(n: int) -> int:
@@ -90,8 +106,12 @@ def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP
 @triton.jit
 def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
                   M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  PREC: tl.constexpr):
-    """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there."""
+                  PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
+    """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there.
+
+    SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
+    (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
+    the dot runs at ``PREC``."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tmask = t < T
@@ -104,11 +124,22 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
         k = k0 + tl.arange(0, BK)
         kmask = k < K
         xt = tl.load(x_ptr + t64[:, None] * K + k[None, :],
-                     mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(xt * xt, axis=1)
+                     mask=tmask[:, None] & kmask[None, :], other=0.0)
+        xf = xt.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
         ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
                      mask=kmask[:, None] & (mcol[None, :] < M), other=0.0).to(tl.float32)
-        acc = tl.dot(xt, ph, acc, input_precision=PREC)
+        if SPLIT_PHI:
+            ph_hi = ph.to(xt.dtype)
+            ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
+            if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
+                acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, ph_hi, acc)
+                acc = tl.dot(xt, ph_lo, acc)
+        else:
+            acc = tl.dot(xf, ph, acc, input_precision=PREC)
     row = split.to(tl.int64) * T + t64
     tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
     tl.store(ss_ptr + row, ss, mask=tmask)
@@ -249,10 +280,14 @@ def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT,
 
 @triton.jit
 def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rstd_ptr,
-                  alpha_ptr, bias_ptr, dz_ptr, dp_ptr, coef_ptr, T, K, iters,
+                  alpha_ptr, bias_ptr, dz_ptr, dp_ptr, coef_ptr, hist_ptr, T, K, iters,
                   HAS_DHPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
     """Per token block: sigmoid and Sinkhorn backward, then dz (logit grads), dP and the
-    RMS coefficient for dx."""
+    RMS coefficient for dx.
+
+    The Sinkhorn iterations are replayed once from the logits, each row-normalised state
+    ``L_mid`` going to the scratch ``hist [iters, T, N*N]`` (fp32, written and read back
+    by the same program), then walked in reverse."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -276,10 +311,19 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
     # Sinkhorn backward. Forward step L' = L - lse(L, axis) has dL = dL' - exp(L') * sum(dL', axis).
     d_res = tl.load(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
                     mask=tmask[:, None, None], other=0.0)
-    G = d_res * tl.exp(_sinkhorn_log(z_res, iters))
+    L = z_res
+    for k in range(iters):
+        L = _log_normalize(L, 2)
+        row = t64 + k * T  # int64
+        tl.store(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :], L,
+                 mask=tmask[:, None, None])
+        L = _log_normalize(L, 1)
+    tl.debug_barrier()
+    G = d_res * tl.exp(L)
     for kk in range(iters):
-        L = _sinkhorn_log(z_res, iters - 1 - kk)  # state before iteration iters-1-kk
-        L_mid = _log_normalize(L, 2)
+        row = t64 + (iters - 1 - kk) * T
+        L_mid = tl.load(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :],
+                        mask=tmask[:, None, None], other=0.0)
         L_out = _log_normalize(L_mid, 1)
         G = G - tl.exp(L_out) * tl.expand_dims(tl.sum(G, axis=1), 1)
         G = G - tl.exp(L_mid) * tl.expand_dims(tl.sum(G, axis=2), 2)
@@ -307,79 +351,81 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 
 
 @triton.jit
-def _pre_dx(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, dx_ptr, T, C,
-            N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-            BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    tmask = t < T
-    cmask = c < C
-    m2 = tmask[:, None] & cmask[None, :]
-    t64 = t.to(tl.int64)
-    K = N * C
-    mcol = tl.arange(0, MP)
-    dp = tl.load(dp_ptr + t64[:, None] * MP + mcol[None, :],
-                 mask=tmask[:, None] & (mcol[None, :] < M), other=0.0)
-    coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
-    dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    for s in tl.static_range(N):
-        ph = tl.load(phi_ptr + mcol[:, None].to(tl.int64) * K + s * C + c[None, :],
-                     mask=(mcol[:, None] < M) & cmask[None, :], other=0.0).to(tl.float32)
-        xs = tl.load(x_ptr + t64[:, None] * K + s * C + c[None, :], mask=m2,
-                     other=0.0).to(tl.float32)
-        h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
-        dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
-        tl.store(dx_ptr + t64[:, None] * K + s * C + c[None, :],
-                 dxs.to(dx_ptr.dtype.element_ty), mask=m2)
+def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
+                 T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
+                 M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 PREC: tl.constexpr):
+    """One pass over x for both x and phi gradients of "pre".
 
-
-@triton.jit
-def _phi_grad(dp_ptr, x_ptr, out_ptr, T, K, TOKENS_PER_SPLIT,
-              MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """out[split, :, k-block] = dP[tokens of split]^T @ x[tokens of split, k-block]."""
-    pid_k = tl.program_id(0)
+    Program (stream s, channel block, token split) walks its tokens:
+    ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
+    (+ acc[t, s, c], the combine's dx, when HAS_ACC)`` and accumulates
+    ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
+    fastest in the launch order, so the N programs sharing a dy tile run together (L2)."""
+    s = tl.program_id(0) % N
+    c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
     split = tl.program_id(1)
-    k = pid_k * BK + tl.arange(0, BK)
-    kmask = k < K
+    cmask = c < C
+    K = N * C
+    k = s * C + c
     mcol = tl.arange(0, MP)
-    acc = tl.zeros([MP, BK], dtype=tl.float32)
+    ph = tl.load(phi_ptr + mcol[:, None].to(tl.int64) * K + k[None, :],
+                 mask=(mcol[:, None] < M) & cmask[None, :], other=0.0).to(tl.float32)
+    dphi = tl.zeros([MP, BC], dtype=tl.float32)
     t_start = split * TOKENS_PER_SPLIT
     for t0 in range(t_start, t_start + TOKENS_PER_SPLIT, BT):
         t = t0 + tl.arange(0, BT)
         tmask = t < T
         t64 = t.to(tl.int64)
-        dpt = tl.load(dp_ptr + t64[None, :] * MP + mcol[:, None], mask=tmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :],
-                     other=0.0).to(tl.float32)
-        acc = tl.dot(dpt, xt, acc, input_precision=PREC)
-    tl.store(out_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], acc,
-             mask=kmask[None, :])
+        m2 = tmask[:, None] & cmask[None, :]
+        dp = tl.load(dp_ptr + t64[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
+        coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
+        h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
+        dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        offs = t64[:, None] * K + k[None, :]
+        xs = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
+        if HAS_ACC:
+            dxs += tl.load(acc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
+        dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
+    tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
+             mask=cmask[None, :])
 
 
 # ----------------------------------------------------------------------- autograd glue
-# Tile sizes. The projection streams phi once per token block: blocks of 64 tokens keep
-# phi's (L2) traffic below x's; n=8 pads the mapping to 128 columns and uses smaller tiles to
-# fit H100 shared memory. Reductions over K / C are split across programs (fp32 partials,
-# summed in a fixed order) so that enough programs are in flight to saturate HBM.
-_PROJ_TILES = {  # n: (tokens per block, K step, warps, pipeline stages)
-    1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 64, 8, 3), 8: (16, 32, 4, 2),
-}
-_BT_MAP = 32          # tokens per program for the per-token mapping math (Sinkhorn)
-_BT_SWEEP = 16        # tokens per program of the (token, channel) sweeps
-_TARGET_PROGRAMS = 1024
-_BC = 128
-_BT_COMBINE = 8
+@dataclass
+class KernelTiles:
+    """Tile sizes and launch shapes (tuned on H100 for n=4, bf16; see benchmarks/).
+
+    The projection streams phi once per token block (L2), so blocks of 64 tokens keep phi's
+    traffic below x's; n=8 pads the mapping to 128 columns and needs smaller tiles to fit
+    shared memory. Reductions over K / C / T are split across programs (fp32 partials,
+    summed in a fixed order) so that about ``target_programs`` programs are in flight."""
+
+    proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
+        1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 64, 8, 3), 8: (16, 32, 4, 2)})
+    target_programs: int = 1024
+    map_tokens: int = 32                    # per-token mapping math (Sinkhorn): tokens/program
+    sweep: tuple = (16, 256, 4)             # aggregate, dH_pre: (tokens, n*channels, warps)
+    combine_fwd: tuple = (8, 128, 4)        # (tokens, channels, warps)
+    combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
+    dx: tuple = (32, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
+
+
+TILES = KernelTiles()
 
 
 def _sweep_bc(n: int, C: int) -> int:
-    """Channels per program of the [tokens, n, channels] sweeps (~4K elements a tile)."""
-    return max(16, min(256 // n, triton.next_power_of_2(C)))
+    """Channels per program of the [tokens, n, channels] sweeps."""
+    return max(16, min(TILES.sweep[1] // n, triton.next_power_of_2(C)))
 
 
 def _splits(blocks: int, length: int, step: int) -> tuple[int, int]:
-    """(splits, length per split) so that blocks * splits ~ _TARGET_PROGRAMS."""
-    want = max(1, min(triton.cdiv(_TARGET_PROGRAMS, max(blocks, 1)), triton.cdiv(length, step)))
+    """(splits, length per split, a multiple of ``step``) for ``blocks * splits`` programs
+    ~ ``TILES.target_programs``."""
+    want = max(1, min(triton.cdiv(TILES.target_programs, max(blocks, 1)),
+                      triton.cdiv(length, step)))
     per = triton.cdiv(triton.cdiv(length, want), step) * step
     return triton.cdiv(length, per), per
 
@@ -391,9 +437,41 @@ def _check(x: torch.Tensor, n: int) -> None:
         raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}")
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are one autograd tensor or equal views of one base (so a gradient
+    for one is a gradient for the other)."""
+    if a is b:
+        return True
+    return (a._base is not None and a._base is b._base and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+class _DxLink:
+    """Lets "combine" hand its ``dx`` to the "pre" of the same ``x`` (one sublayer).
+
+    ``x`` feeds both ops, so autograd would add two x-sized gradients (read 2, write 1).
+    When combine's ``h_res`` comes from our pre on the same ``x`` (unmodified), combine's
+    backward parks its ``dx`` here and returns None for ``x``; pre's backward (which runs
+    after it: it needs the gradients of ``h_res``/``h_post``) adds it inside its dx kernel.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        self.x = weakref.ref(x)
+        self.version = x._version
+        self.claimed = False
+        self.pending: torch.Tensor | None = None
+
+    def claim(self, x: torch.Tensor) -> bool:
+        px = self.x()
+        ok = (not self.claimed and px is not None and x.requires_grad
+              and x._version == self.version and _same_tensor(x, px))
+        self.claimed = self.claimed or ok
+        return ok
+
+
 class _PreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps):
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link):
         T, n, C = x.shape
         _check(x, n)
         x = x.contiguous()
@@ -407,21 +485,24 @@ class _PreFn(torch.autograd.Function):
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
         if T > 0:
-            bt, bk, warps, stages = _PROJ_TILES[n]
+            bt, bk, warps, stages = TILES.proj[n]
             splits, per = _splits(triton.cdiv(T, bt), K, bk)
             part = torch.empty(splits, T, mp, device=dev, dtype=f32)
             part_ss = torch.empty(splits, T, device=dev, dtype=f32)
             _proj_partial[(triton.cdiv(T, bt), splits)](
                 x, phi, part, part_ss, T, K, per, M=m, MP=mp, BT=bt, BK=bk,
-                PREC=_dot_precision(x.dtype), num_warps=warps, num_stages=stages)
-            _mappings_fwd[(triton.cdiv(T, _BT_MAP),)](
+                PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
+                INTERPRETED=_INTERPRETED,
+                num_warps=warps, num_stages=stages)
+            _mappings_fwd[(triton.cdiv(T, TILES.map_tokens),)](
                 part, part_ss, alpha, bias, h_pre, h_post, h_res, ht, rstd, T, K, splits,
-                float(eps), int(iters), N=n, MP=mp, BT=_BT_MAP, num_warps=4)
-            bc = _sweep_bc(n, C)
-            _aggregate_fwd[(triton.cdiv(T, _BT_SWEEP), triton.cdiv(C, bc))](
-                x, h_pre, y, T, C, N=n, BT=_BT_SWEEP, BC=bc, num_warps=4)
+                float(eps), int(iters), N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
+            bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
+            _aggregate_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
+                x, h_pre, y, T, C, N=n, BT=bt, BC=bc, num_warps=warps)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.iters = int(iters)
+        ctx.link = link
         ctx.set_materialize_grads(False)  # unused outputs get None: their work is skipped
         return y, h_pre, h_post, h_res
 
@@ -431,6 +512,9 @@ class _PreFn(torch.autograd.Function):
         T, n, C = x.shape
         m, mp, K = 2 * n + n * n, _padded_m(n), n * C
         dev, f32 = x.device, torch.float32
+        dx_combine = None
+        if ctx.link is not None:
+            dx_combine, ctx.link.pending = ctx.link.pending, None
         dy = torch.zeros(T, C, device=dev, dtype=x.dtype) if dy is None else dy.contiguous()
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else dh_post.float().contiguous()
         dh_res = (torch.zeros(T, n, n, device=dev) if dh_res is None
@@ -440,47 +524,53 @@ class _PreFn(torch.autograd.Function):
         dp = torch.zeros(T, mp, device=dev, dtype=f32)
         coef = torch.empty(T, device=dev, dtype=f32)
         prec = _dot_precision(x.dtype)
-        bc = _sweep_bc(n, C)
+        bt_dx, bc_dx, warps_dx = TILES.dx
+        bc_dx = min(bc_dx, max(16, triton.next_power_of_2(C)))
+        dx_blocks = n * triton.cdiv(C, bc_dx)
+        dx_splits, dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
+        dphi_part = torch.zeros(dx_splits, mp, K, device=dev, dtype=f32)
         if T > 0:
-            splits, per = _splits(triton.cdiv(T, _BT_SWEEP), C, bc)
+            bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
+            splits, per = _splits(triton.cdiv(T, bt), C, bc)
             part = torch.empty(splits, T, n, device=dev, dtype=f32)
-            _dhpre_partial[(triton.cdiv(T, _BT_SWEEP), splits)](
-                x, dy, part, T, C, per, N=n, BT=_BT_SWEEP, BC=bc, num_warps=4)
-            _mappings_bwd[(triton.cdiv(T, _BT_MAP),)](
+            _dhpre_partial[(triton.cdiv(T, bt), splits)](
+                x, dy, part, T, C, per, N=n, BT=bt, BC=bc, num_warps=warps)
+            hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
+            _mappings_bwd[(triton.cdiv(T, TILES.map_tokens),)](
                 part, splits, dh_pre.float().contiguous() if dh_pre is not None else dh_post,
-                dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, T, K, ctx.iters,
-                HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=_BT_MAP, num_warps=4)
-            _pre_dx[(triton.cdiv(T, _BT_SWEEP), triton.cdiv(C, bc))](
-                x, dy, h_pre, dp, coef, phi, dx, T, C, N=n, M=m, MP=mp, BT=_BT_SWEEP, BC=bc,
-                PREC=prec, num_warps=4)
-        splits = max(1, min(32, triton.cdiv(T, 1024)))
-        per_split = triton.cdiv(triton.cdiv(T, splits), 16) * 16
-        partial = torch.empty(splits, mp, K, device=dev, dtype=f32)
-        bk = 64
-        _phi_grad[(triton.cdiv(K, bk), splits)](dp, x, partial, T, K, per_split, MP=mp, BT=16,
-                                                BK=bk, PREC=prec, num_warps=4)
-        dphi = partial.sum(0)[:m].to(phi.dtype)
+                dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, hist, T, K, ctx.iters,
+                HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
+            del hist
+            _pre_dx_dphi[(dx_blocks, dx_splits)](
+                x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x, dx,
+                dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m, MP=mp,
+                BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
+        elif dx_combine is not None:
+            dx = dx_combine
+        dphi = dphi_part.sum(0)[:m].to(phi.dtype)
         groups = (slice(0, n), slice(n, 2 * n), slice(2 * n, m))
         dalpha = torch.stack([(dz[:, g] * ht[:, g]).sum() for g in groups]).to(alpha.dtype)
         dbias = dz[:, :m].sum(0).to(bias.dtype)
-        return dx, dphi, dalpha, dbias, None, None
+        return dx, dphi, dalpha, dbias, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, f, f_bias, h_res, h_post):
+    def forward(ctx, x, f, f_bias, h_res, h_post, link):
         T, n, C = x.shape
         _check(x, n)
         x, f = x.contiguous(), f.contiguous()
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = h_res.float().contiguous(), h_post.float().contiguous()
         out = torch.empty_like(x)
-        bc = min(_BC, triton.next_power_of_2(C))
+        bt, bc, warps = TILES.combine_fwd
+        bc = min(bc, triton.next_power_of_2(C))
         if T > 0:
-            _combine_fwd[(triton.cdiv(T, _BT_COMBINE), triton.cdiv(C, bc))](
+            _combine_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
                 x, f, f_bias if f_bias is not None else f, h_res, h_post, out, T, C,
-                HAS_BIAS=f_bias is not None, N=n, BT=_BT_COMBINE, BC=bc, num_warps=4)
+                HAS_BIAS=f_bias is not None, N=n, BT=bt, BC=bc, num_warps=warps)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
+        ctx.link = link
         return out
 
     @staticmethod
@@ -492,23 +582,38 @@ class _CombineFn(torch.autograd.Function):
         df = torch.empty_like(f)
         dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
+        bt, bc, warps = TILES.combine_bwd
         if T > 0:
-            _combine_bwd[(triton.cdiv(T, _BT_COMBINE),)](
+            _combine_bwd[(triton.cdiv(T, bt),)](
                 g, x, f, f_bias if f_bias is not None else f, h_res, h_post, dx, df, dh_res,
-                dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=_BT_COMBINE,
-                BC=min(_BC, triton.next_power_of_2(C)), num_warps=4)
+                dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=bt,
+                BC=min(bc, triton.next_power_of_2(C)), num_warps=warps)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
-            dbias = df.float().sum(0).to(f_bias.dtype)
+            # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
+            dbias = df.sum(0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
+            dbias = dbias.to(f_bias.dtype)
+        if ctx.link is not None:
+            ctx.link.pending, dx = dx, None  # pre's backward adds it (see _DxLink)
         res_dtype, post_dtype = ctx.mapping_dtypes
-        return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype)
+        return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None
 
 
 def pre(x, phi, alpha, bias, sinkhorn_iterations, eps):
     """Fused mappings + aggregate: ``(y [T,C], h_pre [T,n], h_post [T,n], h_res [T,n,n])``."""
-    return _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps)
+    link = _DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link)
+    if link is not None:
+        outs[3]._mhc_dx_link = link
+    return outs
 
 
 def combine(x, f, f_bias, h_res, h_post):
-    """Fused expand-combine ``H_res x + H_post (f + f_bias)`` -> ``[T, n, C]`` in ``x.dtype``."""
-    return _CombineFn.apply(x, f, f_bias, h_res, h_post)
+    """Fused expand-combine ``H_res x + H_post (f + f_bias)`` -> ``[T, n, C]`` in ``x.dtype``.
+
+    If ``h_res`` comes from :func:`pre` on this same ``x``, the two ``dx`` are summed inside
+    pre's backward kernel instead of by autograd (see :class:`_DxLink`)."""
+    link = getattr(h_res, "_mhc_dx_link", None)
+    if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
+        link = None
+    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link)

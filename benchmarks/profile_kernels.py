@@ -1,0 +1,74 @@
+"""Per-kernel GPU time of one pre+post forward+backward (ours, and TE 2.20.2 when carried).
+
+Complements ``bench_mhc.py`` (which times whole ops): runs ``torch.profiler`` over a few
+steps and prints each CUDA kernel's mean time per step, so one can see which kernel bounds
+the op. Same inputs and calling convention as ``bench_mhc.py``.
+
+    python benchmarks/profile_kernels.py [--size 16384x4096] [--no-te] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks")
+from bench_mhc import Case, ours_or_ref, te_fwd  # noqa: E402
+from mhc_megatron.kernels import triton_mhc  # noqa: E402
+
+
+def profile_step(fwd, cs, is_te, steps):
+    base = (cs.x_te, cs.phi, cs.alpha, cs.beta_te, cs.f_te, cs.fb) if is_te else \
+        (cs.x, cs.phi, cs.alpha, cs.bias, cs.f, cs.fb)
+    leaves = [t.detach().clone().requires_grad_() for t in base]
+    gx = cs.gx_te if is_te else cs.gx
+    gy = cs.gy.view(cs.m, 1, cs.c) if is_te else cs.gy
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        y, out = fwd(cs, leaves)
+        torch.autograd.backward([y, out], [gy, gx])
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name[:70]] += ev.device_time / 1e3 / steps  # ms per step
+    return sorted(per_kernel.items(), key=lambda kv: -kv[1])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="16384x4096")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--no-te", action="store_true")
+    p.add_argument("--te-root", default=".te")
+    args = p.parse_args()
+    m, c = (int(v) for v in args.size.split("x"))
+    cs = Case(m, c)
+    impls = {"ours": (ours_or_ref(triton_mhc.pre, triton_mhc.combine), False)}
+    if not args.no_te:
+        from te_peer import load_te_mhc
+
+        impls["TE 2.20.2"] = (te_fwd(load_te_mhc(args.te_root)), True)
+    print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; CUDA kernel ms per fwd+bwd step")
+    for name, (fwd, is_te) in impls.items():
+        rows = profile_step(fwd, cs, is_te, args.steps)
+        print(f"\n{name}: total {sum(v for _, v in rows):.3f} ms")
+        for k, v in rows:
+            print(f"  {v:8.3f}  {k}")
+
+
+if __name__ == "__main__":
+    main()
