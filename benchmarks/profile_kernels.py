@@ -4,7 +4,7 @@ Complements ``bench_mhc.py`` (which times whole ops): runs ``torch.profiler`` ov
 steps and prints each CUDA kernel's mean time per step, so one can see which kernel bounds
 the op. Same inputs and calling convention as ``bench_mhc.py``.
 
-    python benchmarks/profile_kernels.py [--size 16384x4096] [--no-te] [--steps 10]
+    python benchmarks/profile_kernels.py [--size 16384x4096] [--no-te] [--steps 10] [--tiles tiles.json]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_mhc import Case, ours_or_ref, te_fwd  # noqa: E402
+from bench_mhc import Case, apply_tiles, ours_or_ref, te_fwd  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
 
@@ -54,7 +54,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-te", action="store_true")
     p.add_argument("--te-root", default=".te")
+    p.add_argument("--tiles", default=None, help="JSON tile overrides (tune_tiles.py)")
     args = p.parse_args()
+    if args.tiles:
+        apply_tiles(args.tiles)
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
     impls = {"ours": (ours_or_ref(triton_mhc.pre, triton_mhc.combine), False)}
