@@ -396,7 +396,8 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
 # ----------------------------------------------------------------------- autograd glue
 @dataclass
 class KernelTiles:
-    """Tile sizes and launch shapes (tuned on H100 for n=4, bf16; see benchmarks/).
+    """Tile sizes and launch shapes; n=4 values from ``benchmarks/tune_tiles.py`` on an H100
+    (M=16384, C=4096, bf16; table in benchmarks/RESULTS.md).
 
     The projection streams phi once per token block (L2), so blocks of 64 tokens keep phi's
     traffic below x's; n=8 pads the mapping to 128 columns and needs smaller tiles to fit
@@ -404,13 +405,13 @@ class KernelTiles:
     summed in a fixed order) so that about ``target_programs`` programs are in flight."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
-        1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 64, 8, 3), 8: (16, 32, 4, 2)})
-    target_programs: int = 1024
-    map_tokens: int = 32                    # per-token mapping math (Sinkhorn): tokens/program
-    sweep: tuple = (16, 256, 4)             # aggregate, dH_pre: (tokens, n*channels, warps)
-    combine_fwd: tuple = (8, 128, 4)        # (tokens, channels, warps)
+        1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
+    target_programs: int = 512
+    map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
+    sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
+    combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
-    dx: tuple = (32, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
+    dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
 
 
 TILES = KernelTiles()
