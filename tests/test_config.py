@@ -59,7 +59,9 @@ REFUSED = {
     "layer_num_zero": (dict(mhc_recompute_layer_num=0), "mhc_recompute_layer_num"),
     "layer_num_negative": (dict(mhc_recompute_layer_num=-2), "mhc_recompute_layer_num"),
     "layer_num_bool": (dict(mhc_recompute_layer_num=True), "mhc_recompute_layer_num"),
-    "mhc_recompute": (dict(mhc_recompute=True), "mhc_recompute"),
+    "mlp_recompute_with_mhc_recompute": (
+        dict(mhc_recompute=True, recompute_granularity="selective", recompute_modules=["mlp"]),
+        "recompute_modules"),
     "pipeline": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
                  "pipeline_model_parallel_size"),
     "virtual_pipeline": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
@@ -114,3 +116,9 @@ def test_selective_recompute_is_accepted():
     cfg = MHCTransformerConfig(**BASE, recompute_granularity="selective",
                                recompute_modules=["core_attn", "mlp", "layernorm"])
     assert cfg.recompute_granularity == "selective"
+
+
+def test_mhc_recompute_is_accepted_with_sublayer_recompute():
+    cfg = MHCTransformerConfig(**BASE, mhc_recompute=True, recompute_granularity="selective",
+                               recompute_modules=["core_attn", "layernorm", "moe", "moe_act"])
+    assert cfg.mhc_recompute and cfg.mhc_recompute_block_size >= 1

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from mhc_megatron.kernels import select_ops
 from mhc_megatron.kernels.reference import num_mapping_coefficients
+from mhc_megatron.recompute.manager import run_recorded
 
 # Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)):
 # H_pre = 1/n, so the sublayer reads the mean of the streams, which at step 0 (n equal
@@ -51,7 +52,9 @@ class HyperConnectionModule(MegatronModule):
     ``pre`` computes the mappings and the sublayer input ``y = sum_i H_pre[i] x_i``
     (``[s, b, C]``); ``combine`` returns ``x' = H_res x + H_post^T dropout(f + bias)``
     (``[s, b, n*C]``). The math is in :mod:`mhc_megatron.kernels.reference`; which
-    implementation runs is chosen per call from ``config.mhc_kernel_backend``.
+    implementation runs is chosen per call from ``config.mhc_kernel_backend``. Both ops go
+    through :func:`~mhc_megatron.recompute.run_recorded`, so that with ``mhc_recompute``
+    their outputs are recomputed in backward instead of stored.
 
     Parameters (``m = 2n + n^2``; layout documented in the reference module):
       * ``phi``   ``[m, n*C]``  projection (an RMSNorm weight, if any, is folded in);
@@ -102,8 +105,8 @@ class HyperConnectionModule(MegatronModule):
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings)."""
         x = self._flat_streams(streams)
-        y, h_pre, h_post, h_res = self._ops(x).pre(
-            x, self.phi, self.alpha, self.bias,
+        y, h_pre, h_post, h_res = run_recorded(
+            self._ops(x).pre, x, self.phi, self.alpha, self.bias,
             self.config.mhc_sinkhorn_iterations, self.config.mhc_rms_eps,
         )
         return y.view(*streams.shape[:-1], self.hidden_size), StreamMappings(h_pre, h_post, h_res)
@@ -130,7 +133,8 @@ class HyperConnectionModule(MegatronModule):
         if training and dropout_prob > 0.0:
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
-        out = self._ops(x).combine(
-            x, f.reshape(-1, self.hidden_size), f_bias, mappings.h_res, mappings.h_post
+        out = run_recorded(
+            self._ops(x).combine,
+            x, f.reshape(-1, self.hidden_size), f_bias, mappings.h_res, mappings.h_post,
         )
         return out.view(streams.shape)

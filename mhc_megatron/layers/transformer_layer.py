@@ -35,6 +35,7 @@ from torch import Tensor
 from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule, StreamMappings
 from mhc_megatron.layers.streams import expand_streams
+from mhc_megatron.recompute.manager import manager_for, run_recorded
 
 
 @dataclass
@@ -114,6 +115,15 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.mlp_hyper_connection = build_module(submodules.mlp_hyper_connection, config=config)
         self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection)
         self.mlp_bda = _StreamCombine(self.mlp_hyper_connection)
+        self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
+
+    def forward(self, *args, **kwargs):
+        """Megatron's forward; with ``mhc_recompute`` inside this layer's recompute block."""
+        manager = getattr(self, "mhc_recompute_manager", None)
+        if manager is None:
+            return super().forward(*args, **kwargs)
+        with manager.layer_scope(self.layer_number):
+            return super().forward(*args, **kwargs)
 
     def _streams_in(self, hidden_states: Tensor) -> Tensor:
         c = self.config.hidden_size
@@ -123,7 +133,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                     f"layer 1 of an mHC decoder expects the embeddings [s, b, {c}], got "
                     f"{tuple(hidden_states.shape)}."
                 )
-            return expand_streams(hidden_states, self.n)
+            return run_recorded(expand_streams, hidden_states, self.n)
         return hidden_states
 
     def _run_sublayer(self, parent_method, hyper_connection, combine, streams, *args, **kwargs):

@@ -1,0 +1,221 @@
+"""MHCRecomputeManager: cross-layer recompute of the mHC activations.
+
+mHC keeps the residual as ``n`` streams ``[s, b, n*C]``; every sublayer's streams are saved
+for backward (by the next sublayer's "pre" and "combine"), i.e. ``n`` times a plain
+residual. With ``mhc_recompute=True`` the decoder's layers are grouped into blocks of
+``config.mhc_recompute_block_size`` layers (``mhc_recompute_layer_num``, default eq. 20 of
+the paper: ``round(sqrt(n L / (n + 2)))``). Inside a block, the outputs of the mHC ops
+(stream expansion in layer 1, the mappings and aggregate of "pre", the expand-combine) are
+not kept: each tensor that autograd would save and that is (a view of) such an output is
+replaced by a placeholder. The first time backward unpacks a placeholder of a block, one
+hook recomputes the block's mHC ops in forward order (each op's inputs are the block's
+input streams, already-recomputed outputs, and what is kept anyway: sublayer outputs ``f``
+after dropout, parameters) and hands out the recomputed tensors. What stays stored per
+block: its input streams, plus per sublayer the sublayer output ``f`` (which the combine's
+backward needs in any case). The sublayers (attention, MLP/MoE) are not recomputed here;
+Megatron's own selective recompute can still run inside them.
+
+Mechanism: ``torch.autograd.graph.saved_tensors_hooks`` around each layer's forward (the
+same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved tensors
+to recorded op outputs by their storage. It therefore does not use Megatron's
+``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8 context is entered,
+op arguments may be any Python values, and outputs that need no gradient are fine (a
+tensor nobody saves is never recomputed).
+
+Numerics: the ops are deterministic (Triton kernels: bitwise; reference: same op
+sequence), and the recompute replays them on the same inputs, so gradients with and
+without recompute are identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_ACTIVE_BLOCK: contextvars.ContextVar["_BlockState | None"] = contextvars.ContextVar(
+    "mhc_active_recompute_block", default=None)
+
+
+@dataclass(frozen=True, eq=False)
+class _Placeholder:
+    """Stands for a (view of an) output of op ``op`` of a block: ``outputs[op][index]``
+    seen with ``size``/``stride``/``offset``."""
+
+    block: "_BlockState"
+    op: int
+    index: int
+    size: tuple
+    stride: tuple
+    offset: int
+
+    def resolve(self, outputs: dict) -> torch.Tensor:
+        return outputs[self.op][self.index].as_strided(self.size, self.stride, self.offset)
+
+
+class _BlockState:
+    """The recorded mHC ops of one block of layers during one forward pass."""
+
+    def __init__(self, manager: "MHCRecomputeManager", block_id: int):
+        self.manager = manager
+        self.block_id = block_id
+        self.last_layer = 0
+        self.ops: list[tuple[Callable, tuple, dict]] = []
+        self.deps: list[set[int]] = []
+        self.registry: dict[StorageWeakRef, tuple[int, int, torch.dtype]] = {}
+        self.packed_ops: set[int] = set()
+        self.outputs: dict[int, tuple] | None = None
+        self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+    # -- forward
+    def _lookup(self, t: torch.Tensor) -> _Placeholder | None:
+        try:
+            key = StorageWeakRef(t.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
+            return None
+        hit = self.registry.get(key)
+        if hit is None or key.expired():
+            return None
+        op, index, dtype = hit
+        if t.dtype != dtype:
+            return None
+        return _Placeholder(self, op, index, tuple(t.shape), tuple(t.stride()),
+                            t.storage_offset())
+
+    def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
+        op = len(self.ops)
+        deps: set[int] = set()
+        packed = []
+        for a in args:
+            ph = self._lookup(a) if isinstance(a, torch.Tensor) else None
+            if ph is not None:
+                deps.add(ph.op)
+            packed.append(ph if ph is not None else a)
+        self.ops.append((fn, tuple(packed), kwargs))
+        self.deps.append(deps)
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        for index, out in enumerate(outs):
+            # Only tensors that own their whole storage: a placeholder is rebuilt as a view
+            # of the recomputed tensor with the saved tensor's size/stride/offset.
+            if (isinstance(out, torch.Tensor) and out.storage_offset() == 0
+                    and out.is_contiguous()
+                    and out.untyped_storage().nbytes() == out.numel() * out.element_size()):
+                self.registry[StorageWeakRef(out.untyped_storage())] = (op, index, out.dtype)
+
+    def pack(self, t: torch.Tensor):
+        ph = self._lookup(t)
+        if ph is None:
+            return t
+        self.packed_ops.add(ph.op)
+        return ph
+
+    # -- backward
+    @staticmethod
+    def unpack(obj):
+        if not isinstance(obj, _Placeholder):
+            return obj
+        return obj.resolve(obj.block.recompute())
+
+    def recompute(self) -> dict:
+        """Recompute the needed ops of the block once, in forward order."""
+        if self.outputs is not None:
+            return self.outputs
+        needed = set(self.packed_ops)
+        for op in range(len(self.ops) - 1, -1, -1):
+            if op in needed:
+                needed |= self.deps[op]
+        outputs: dict[int, tuple] = {}
+        enabled, dtype = self.autocast
+        autocast = (torch.autocast("cuda", dtype=dtype) if enabled
+                    else contextlib.nullcontext())
+        with torch.no_grad(), autocast:
+            for op in sorted(needed):
+                fn, args, kwargs = self.ops[op]
+                args = [a.resolve(outputs) if isinstance(a, _Placeholder) else a for a in args]
+                out = fn(*args, **kwargs)
+                outputs[op] = out if isinstance(out, tuple) else (out,)
+        self.outputs = outputs
+        self.manager.blocks_recomputed += 1
+        self.manager.ops_recomputed += len(needed)
+        return outputs
+
+
+class MHCRecomputeManager:
+    """Groups a decoder's layers into recompute blocks and records their mHC ops.
+
+    One manager is shared by the layers built from one config (:func:`manager_for`).
+    Each :class:`HyperConnectionTransformerLayer` runs its forward inside
+    :meth:`layer_scope`; its hyper-connection ops go through :func:`run_recorded`.
+    ``blocks_recomputed`` / ``ops_recomputed`` count the backward hooks (for tests and logs).
+    """
+
+    def __init__(self, block_size: int):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"MHCRecomputeManager: block_size must be an int >= 1, got "
+                             f"{block_size!r}. Fix: set mhc_recompute_layer_num >= 1 or None.")
+        self.block_size = block_size
+        self._current: _BlockState | None = None
+        self.blocks_recomputed = 0
+        self.ops_recomputed = 0
+
+    def block_of(self, layer_number: int) -> int:
+        """Block index of a global (1-based) layer number."""
+        return (layer_number - 1) // self.block_size
+
+    def _state_for(self, layer_number: int) -> _BlockState:
+        block = self.block_of(layer_number)
+        cur = self._current
+        # A new block starts at a block boundary, and a new forward pass (the layer numbers
+        # go back to the start) starts new blocks too.
+        if cur is None or cur.block_id != block or layer_number <= cur.last_layer:
+            cur = self._current = _BlockState(self, block)
+        cur.last_layer = layer_number
+        return cur
+
+    @contextlib.contextmanager
+    def layer_scope(self, layer_number: int):
+        """Run one layer's forward with its block's saved-tensor hooks (only with grad on)."""
+        if not torch.is_grad_enabled():
+            yield None
+            return
+        state = self._state_for(layer_number)
+        token = _ACTIVE_BLOCK.set(state)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(state.pack, _BlockState.unpack):
+                yield state
+        finally:
+            _ACTIVE_BLOCK.reset(token)
+
+    def reset(self) -> None:
+        """Forget the open block (the next layer opens a new one)."""
+        self._current = None
+
+
+def run_recorded(fn: Callable, *args: Any, **kwargs: Any):
+    """``fn(*args, **kwargs)``; inside a recompute block its outputs are recorded so that the
+    tensors autograd saves from them are recomputed in backward instead of kept."""
+    out = fn(*args, **kwargs)
+    state = _ACTIVE_BLOCK.get()
+    if state is not None and torch.is_grad_enabled():
+        state.record(fn, args, kwargs, out)
+    return out
+
+
+_MANAGERS: dict[int, MHCRecomputeManager] = {}
+
+
+def manager_for(config) -> MHCRecomputeManager | None:
+    """The manager shared by the layers built with ``config`` (None without mhc_recompute)."""
+    if not getattr(config, "mhc_recompute", False):
+        return None
+    key = id(config)
+    manager = _MANAGERS.get(key)
+    if manager is None:
+        manager = _MANAGERS[key] = MHCRecomputeManager(config.mhc_recompute_block_size)
+        weakref.finalize(config, _MANAGERS.pop, key, None)
+    return manager

@@ -1,0 +1,149 @@
+"""MHCRecomputeManager: gradients with cross-layer mHC recompute equal those without; one
+recompute hook per block; the block-internal streams are really freed after forward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import batch, build_gpt, lm_loss, moe_overrides, tiny_config
+
+from mhc_megatron.recompute import MHCRecomputeManager, manager_for
+from mhc_megatron.testing.cpu import setup_cpu_megatron
+
+LAYERS = 4
+
+
+def _grads(cfg, seed=7, data_seed=3):
+    setup_cpu_megatron(seed=seed)
+    model = build_gpt(cfg)
+    loss = lm_loss(model, batch(seed=data_seed))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
+
+
+def _assert_same(run_a, run_b, exact=True):
+    (la, ga, _), (lb, gb, _) = run_a, run_b
+    assert torch.equal(la, lb) if exact else torch.allclose(la, lb)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        if exact:
+            assert torch.equal(ga[name], gb[name]), name
+        else:
+            torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4, None])  # 3: last block partial; None: eq. 20
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_grads_equal_with_and_without_recompute(megatron_single_rank, block, kind):
+    extra = moe_overrides() if kind == "moe" else {}
+    base = tiny_config(num_layers=LAYERS, **extra)
+    rec = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=block,
+                      **extra)
+    plain, recomputed = _grads(base), _grads(rec)
+    _assert_same(plain, recomputed)
+    manager = manager_for(rec)
+    blocks = math.ceil(LAYERS / rec.mhc_recompute_block_size)
+    assert manager.blocks_recomputed == blocks, "the hook must fire exactly once per block"
+
+
+def test_triton_backend_recompute_bitwise(megatron_single_rank):
+    """Deterministic Triton kernels (interpreter on CPU, compiled on GPU): bitwise equal."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = []
+    for recompute in (False, True):
+        cfg = tiny_config(num_layers=3, mhc_kernel_backend="triton", mhc_recompute=recompute,
+                          mhc_recompute_layer_num=2, add_bias_linear=True)
+        setup_cpu_megatron(seed=5)
+        model = build_gpt(cfg, device)
+        loss = lm_loss(model, batch(device=device, seed=1))
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                     model))
+    _assert_same(*runs)
+
+
+def test_dropout_and_selective_core_attn_recompute(megatron_single_rank):
+    """Sublayer dropout (its mask must not be redrawn by the recompute) and Megatron's
+    selective recompute of core attention inside the blocks."""
+    extra = dict(hidden_dropout=0.2, recompute_granularity="selective",
+                 recompute_modules=["core_attn"], num_layers=LAYERS)
+    plain = _grads(tiny_config(**extra))
+    rec = _grads(tiny_config(mhc_recompute=True, mhc_recompute_layer_num=2, **extra))
+    _assert_same(plain, rec)
+
+
+def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
+    """After forward, only block inputs keep their n-stream tensors: every other recorded
+    output's storage is gone (not merely untouched) until backward recomputes it."""
+    cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2)
+    setup_cpu_megatron(seed=1)
+    model = build_gpt(cfg)
+    manager = manager_for(cfg)
+    states = []
+    orig = MHCRecomputeManager._state_for
+
+    def spy(self, layer_number):
+        st = orig(self, layer_number)
+        if not states or states[-1] is not st:
+            states.append(st)
+        return st
+
+    MHCRecomputeManager._state_for = spy
+    try:
+        loss = lm_loss(model, batch(seed=0))
+    finally:
+        MHCRecomputeManager._state_for = orig
+    assert len(states) == 2
+    for st in states:
+        assert st.packed_ops, "no saved tensor was replaced by a placeholder"
+        assert st.outputs is None  # nothing recomputed before backward
+        streams = [op for op, (fn, _, _) in enumerate(st.ops)
+                   if fn.__name__ in ("expand_streams", "expand_combine")]
+        last = max(streams)
+        for key, (op, index, _) in st.registry.items():
+            if op in streams and op != last:
+                assert key.expired(), f"block {st.block_id}: streams of op {op} still stored"
+            if op not in streams and index == 0:  # pre's y = the sublayer input
+                assert key.expired(), f"block {st.block_id}: y of op {op} still stored"
+        # a block's last streams are the next block's input: stored (the last block's are
+        # only summed by the final norm, which saves nothing of them)
+        if st is not states[-1]:
+            assert not [k for k, v in st.registry.items() if v[0] == last][0].expired()
+    freed_before = manager.blocks_recomputed
+    loss.backward()
+    assert manager.blocks_recomputed == freed_before + 2
+
+
+def test_manager_is_shared_per_config_and_validates():
+    cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True)
+    assert manager_for(cfg) is manager_for(cfg)
+    assert manager_for(tiny_config(num_layers=LAYERS)) is None
+    assert manager_for(cfg).block_size == cfg.mhc_recompute_block_size == round(
+        math.sqrt(4 * LAYERS / 6))
+    with pytest.raises(ValueError, match="block_size"):
+        MHCRecomputeManager(0)
+
+
+def test_with_megatron_layernorm_recompute(megatron_single_rank, monkeypatch):
+    """Megatron's selective "layernorm" recompute (CheckpointWithoutOutput) inside our blocks:
+    its saved input is the aggregated y, which our recompute restores first."""
+    from megatron.core import tensor_parallel
+
+    init = tensor_parallel.CheckpointWithoutOutput.__init__
+    # Megatron 0.19 pitfall: the default fp8=False means "fp8 on" and needs TE; None = off.
+    monkeypatch.setattr(tensor_parallel.CheckpointWithoutOutput, "__init__",
+                        lambda self, fp8=None: init(self, fp8=fp8))
+    extra = dict(recompute_granularity="selective", recompute_modules=["layernorm", "core_attn"],
+                 num_layers=3)
+    plain = _grads(tiny_config(**extra))
+    rec = _grads(tiny_config(mhc_recompute=True, mhc_recompute_layer_num=2, **extra))
+    _assert_same(plain, rec)
+
+
+def test_with_megatron_moe_recompute(megatron_single_rank):
+    extra = dict(recompute_granularity="selective", recompute_modules=["moe", "core_attn"],
+                 num_layers=3, **moe_overrides())
+    _assert_same(_grads(tiny_config(**extra)),
+                 _grads(tiny_config(mhc_recompute=True, mhc_recompute_layer_num=2, **extra)))
