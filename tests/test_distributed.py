@@ -26,6 +26,8 @@ def _torchrun(script: str, timeout: int = 600) -> str:
 @pytest.mark.distributed
 def test_tensor_parallel_matches_single_rank():
     out = _torchrun("tp_equivalence.py")
-    for kind, sp in (("dense", False), ("dense", True), ("moe", True)):
+    for kind, sp, recompute in (("dense", False, False), ("dense", True, False),
+                                ("moe", True, False), ("dense", True, True), ("moe", True, True)):
         for rank in (0, 1):
-            assert f"PASS rank={rank} kind={kind} sp={sp}" in out, out[-3000:]
+            assert f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute}" in out, \
+                out[-3000:]

@@ -1,6 +1,7 @@
 """TP=2 (with and without sequence parallel) equals TP=1: loss and every gradient.
 
 Run: torchrun --nproc-per-node=2 tests/distributed/tp_equivalence.py
+Also with cross-layer mHC recompute on the TP=2 side (dense and MoE, sequence parallel).
 Each rank first builds the TP=1 model (same seed -> same weights on both ranks), runs
 fwd+bwd, then rebuilds the model-parallel state with TP=2, loads the TP=1 weights
 sharded along each parameter's partition_dim, runs fwd+bwd on the same batch, lets
@@ -29,8 +30,10 @@ def _init_parallel(tp: int):
     setup_cpu_megatron(seed=1234)
 
 
-def _config(kind, tp, sp):
+def _config(kind, tp, sp, recompute=False):
     extra = moe_overrides() if kind == "moe" else {}
+    if recompute:  # cross-layer mHC recompute, one layer a block (2 blocks)
+        extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
     return tiny_config(tensor_model_parallel_size=tp, sequence_parallel=sp, **extra)
 
 
@@ -46,7 +49,7 @@ def _fwd_bwd(model, data):
     return loss.detach()
 
 
-def check(kind: str, sp: bool) -> None:
+def check(kind: str, sp: bool, recompute: bool = False) -> None:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads,
@@ -64,7 +67,7 @@ def check(kind: str, sp: bool) -> None:
 
     _init_parallel(2)
     tp, rank = 2, parallel_state.get_tensor_model_parallel_rank()
-    cfg2 = _config(kind, 2, sp)
+    cfg2 = _config(kind, 2, sp, recompute)
     model = build_gpt(cfg2, spec=sequence_parallel_capable_spec(cfg2))
     names = [n for n, _ in model.named_parameters()]
     assert names == list(ref_params), "TP=1 and TP=2 models differ in parameters"
@@ -80,19 +83,24 @@ def check(kind: str, sp: bool) -> None:
     for n, p in model.named_parameters():
         expect = _shard(ref_grads[n], p, rank, tp)
         torch.testing.assert_close(p.grad, expect, rtol=2e-4, atol=2e-6,
-                                   msg=lambda m, n=n: f"[{kind} sp={sp}] grad of {n}: {m}")
+                                   msg=lambda m, n=n: f"[{kind} sp={sp} rc={recompute}] grad of {n}: {m}")
         checked_mhc += "hyper_connection" in n
     assert checked_mhc == 2 * 3 * cfg2.num_layers  # two mappings a layer, (phi, alpha, bias)
-    print(f"PASS rank={rank} kind={kind} sp={sp} loss={loss.item():.6f} ref={ref_loss.item():.6f}"
+    print(f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute} loss={loss.item():.6f} ref={ref_loss.item():.6f}"
           f" params={len(names)} mhc_params={checked_mhc}", flush=True)
+
+
+CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
+         ("dense", True, True), ("moe", True, True))
 
 
 def main():
     init_single_process_group()
     assert torch.distributed.get_world_size() == 2, "run with torchrun --nproc-per-node=2"
     # Megatron requires sequence parallelism for MoE with tensor parallelism.
-    for kind, sp in (("dense", False), ("dense", True), ("moe", True)):
-        check(kind, sp)
+    # The TP=2 runs with mHC recompute are compared with TP=1 without it.
+    for kind, sp, recompute in CASES:
+        check(kind, sp, recompute)
 
 
 if __name__ == "__main__":
