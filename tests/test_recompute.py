@@ -13,12 +13,13 @@ from mhc_megatron.recompute import MHCRecomputeManager, manager_for
 from mhc_megatron.testing.cpu import setup_cpu_megatron
 
 LAYERS = 4
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _grads(cfg, seed=7, data_seed=3):
     setup_cpu_megatron(seed=seed)
-    model = build_gpt(cfg)
-    loss = lm_loss(model, batch(seed=data_seed))
+    model = build_gpt(cfg, DEV)
+    loss = lm_loss(model, batch(device=DEV, seed=data_seed))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
 
@@ -50,7 +51,7 @@ def test_grads_equal_with_and_without_recompute(megatron_single_rank, block, kin
 
 def test_triton_backend_recompute_bitwise(megatron_single_rank):
     """Deterministic Triton kernels (interpreter on CPU, compiled on GPU): bitwise equal."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEV
     runs = []
     for recompute in (False, True):
         cfg = tiny_config(num_layers=3, mhc_kernel_backend="triton", mhc_recompute=recompute,
@@ -79,7 +80,7 @@ def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
     output's storage is gone (not merely untouched) until backward recomputes it."""
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2)
     setup_cpu_megatron(seed=1)
-    model = build_gpt(cfg)
+    model = build_gpt(cfg, DEV)
     manager = manager_for(cfg)
     states = []
     orig = MHCRecomputeManager._state_for
@@ -92,7 +93,7 @@ def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
 
     MHCRecomputeManager._state_for = spy
     try:
-        loss = lm_loss(model, batch(seed=0))
+        loss = lm_loss(model, batch(device=DEV, seed=0))
     finally:
         MHCRecomputeManager._state_for = orig
     assert len(states) == 2
