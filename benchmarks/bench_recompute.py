@@ -91,6 +91,43 @@ def measure(model, args):
     return {"saved_gib": saved / GIB, "peak_gib": peak / GIB, "ms": statistics.median(times)}
 
 
+def census(model, args, top=8):
+    """What the mHC-recompute forward still stores: saved tensors that pass our pack hook
+    unreplaced and are alive after forward, grouped by (shape, dtype), largest first."""
+    import collections
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from mhc_megatron.recompute import manager as rc
+
+    seen = {}
+    orig = rc._BlockState.pack
+
+    def pack(self, t):
+        out = orig(self, t)
+        if isinstance(out, torch.Tensor):
+            seen[StorageWeakRef(out.untyped_storage())] = (tuple(out.shape), str(out.dtype),
+                                                           out.untyped_storage().nbytes())
+        return out
+
+    rc._BlockState.pack = pack
+    try:
+        ids = torch.randint(0, args.vocab, (args.mbs, args.seq), device="cuda")
+        pos = torch.arange(args.seq, device="cuda").expand(args.mbs, args.seq)
+        mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device="cuda"), 1)
+        loss = model(ids, pos, mask[None, None], labels=ids).float().mean()
+        groups = collections.Counter()
+        count = collections.Counter()
+        for key, (shape, dtype, nbytes) in seen.items():
+            if not key.expired():
+                groups[(shape, dtype)] += nbytes
+                count[(shape, dtype)] += 1
+        del loss
+    finally:
+        rc._BlockState.pack = orig
+    return [(f"{s} {d}", count[(s, d)], b / GIB) for (s, d), b in groups.most_common(top)]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=8)
@@ -102,6 +139,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--blocks", type=int, nargs="*", default=[1, 2, 4, 8])
     p.add_argument("--out", default=None)
+    p.add_argument("--census", action="store_true",
+                   help="list what the eq. 20 recompute run still stores after forward")
     args = p.parse_args()
     args.device = "cuda"
 
@@ -119,6 +158,9 @@ def main():
         model, _ = build(args, mhc, block)
         rows[name] = measure(model, args)
         print(name, rows[name], flush=True)
+        if args.census and block == eq20:
+            for what, n, gib in census(model, args):
+                print(f"  census: {n:3d} x {what}: {gib:.3f} GiB", flush=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()

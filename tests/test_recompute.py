@@ -24,9 +24,12 @@ def _grads(cfg, seed=7, data_seed=3):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
 
 
-def _assert_same(run_a, run_b, exact=True):
+def _assert_same(run_a, run_b, exact=DEV == "cpu"):
+    """Bitwise on CPU. On a GPU the two runs are separate model runs, and some CUDA kernels
+    of the model (embedding / MoE scatter backward) are not deterministic run to run, so
+    they are compared at a tight tolerance there."""
     (la, ga, _), (lb, gb, _) = run_a, run_b
-    assert torch.equal(la, lb) if exact else torch.allclose(la, lb)
+    assert torch.equal(la, lb) if exact else torch.allclose(la, lb, rtol=1e-6)
     assert ga.keys() == gb.keys()
     for name in ga:
         if exact:
