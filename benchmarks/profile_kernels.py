@@ -17,22 +17,12 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_mhc import Case, apply_tiles, ours_or_ref, te_fwd  # noqa: E402
+from bench_mhc import Case, apply_tiles, fwd_bwd_step, ours_or_ref, te_fwd  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
 
 def profile_step(fwd, cs, is_te, steps):
-    base = (cs.x_te, cs.phi, cs.alpha, cs.beta_te, cs.f_te, cs.fb) if is_te else \
-        (cs.x, cs.phi, cs.alpha, cs.bias, cs.f, cs.fb)
-    leaves = [t.detach().clone().requires_grad_() for t in base]
-    gx = cs.gx_te if is_te else cs.gx
-    gy = cs.gy.view(cs.m, 1, cs.c) if is_te else cs.gy
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        y, out = fwd(cs, leaves)
-        torch.autograd.backward([y, out], [gy, gx])
+    step = fwd_bwd_step(fwd, cs, is_te)
 
     for _ in range(3):
         step()
