@@ -13,17 +13,21 @@ partials that are summed in a fixed order, so results are bitwise identical run 
   squares, on a (token block x K split) grid), ``_mappings_fwd`` (per token: sum of the
   partials, RMS, sigmoids, log-domain Sinkhorn in registers), ``_aggregate_fwd``
   (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid).
-* ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``.
-* ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
+* ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; ``_combine_proj_fwd``: the same
+  plus, given the next sublayer's ``phi``, that sublayer's projection partials of the stored
+  ``x'`` (what ``_proj_partial`` would compute), so the next "pre" reads ``x'`` once.
+* ``_combine_bwd``: ``df``, ``dH_post``, ``dH_res`` (and ``dx`` unless pre adds it) for a
+  token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
   into an fp32 scratch and walked back; writes the logit gradients for ``dalpha``/``dbias``,
   ``dP`` and the RMS term) and ``_pre_dx_dphi`` (one more pass over x: ``dx`` and the
   ``dphi`` partials together).
 
-Gradient of x written once per sublayer: x feeds both "pre" and "combine"; when combine's
-mappings come from our pre on the same x, combine's backward hands its ``dx`` to pre's
-backward, whose dx kernel adds it (no separate autograd add; see ``_DxLink``).
+Across ops (:mod:`mhc_megatron.kernels.handoff`): the gradient of x is written once per
+sublayer (x feeds "pre" and "combine"; when combine's mappings come from our pre on the same
+x, pre's dx kernel adds combine's ``H_res^T g``, and combine writes no dx at all), and in
+the forward a combine told the next sublayer's ``phi`` hands its projection to that pre.
 
 Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
 split into bf16 hi + lo halves (~16 mantissa bits of phi); fp16 x widened and TF32 (exact for
@@ -34,12 +38,18 @@ x, phi rounded to TF32); fp32 x with 3xTF32. The backward dots use TF32 (16-bit 
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
+
+from mhc_megatron.kernels.handoff import (
+    DxLink,
+    ProjectionPartials,
+    offer_projection,
+    take_projection,
+)
 
 SUPPORTED_STREAMS = (1, 2, 4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -104,14 +114,36 @@ def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP
 
 # ------------------------------------------------------------------------------ forward
 @triton.jit
+def _proj_accumulate(xt, ph, acc, ss, PREC: tl.constexpr, SPLIT_PHI: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """acc += xt @ ph and ss += row sums of xt^2 for a tile ``xt [BT, BK]`` of activations
+    (their storage dtype) and ``ph [BK, MP]`` of phi^T (any float dtype).
+
+    SPLIT_PHI (bf16 x): x feeds the tensor cores as it is and phi as two bf16 halves
+    (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
+    the dot runs at ``PREC``."""
+    xf = xt.to(tl.float32)
+    ss += tl.sum(xf * xf, axis=1)
+    ph = ph.to(tl.float32)
+    if SPLIT_PHI:
+        ph_hi = ph.to(xt.dtype)
+        ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
+        if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
+            acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, ph_hi, acc)
+            acc = tl.dot(xt, ph_lo, acc)
+    else:
+        acc = tl.dot(xf, ph, acc, input_precision=PREC)
+    return acc, ss
+
+
+@triton.jit
 def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
                   M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
-    """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there.
-
-    SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
-    (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
-    the dot runs at ``PREC``."""
+    """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tmask = t < T
@@ -125,21 +157,9 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
         kmask = k < K
         xt = tl.load(x_ptr + t64[:, None] * K + k[None, :],
                      mask=tmask[:, None] & kmask[None, :], other=0.0)
-        xf = xt.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
         ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
-                     mask=kmask[:, None] & (mcol[None, :] < M), other=0.0).to(tl.float32)
-        if SPLIT_PHI:
-            ph_hi = ph.to(xt.dtype)
-            ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
-            if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
-                acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, ph_hi, acc)
-                acc = tl.dot(xt, ph_lo, acc)
-        else:
-            acc = tl.dot(xf, ph, acc, input_precision=PREC)
+                     mask=kmask[:, None] & (mcol[None, :] < M), other=0.0)
+        acc, ss = _proj_accumulate(xt, ph, acc, ss, PREC, SPLIT_PHI, INTERPRETED)
     row = split.to(tl.int64) * T + t64
     tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
     tl.store(ss_ptr + row, ss, mask=tmask)
@@ -193,13 +213,11 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
 
 
 @triton.jit
-def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
-                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    tmask = t < T
+def _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C,
+                  HAS_BIAS: tl.constexpr, N: tl.constexpr):
+    """``x'[BT, N, BC] = H_res x + H_post (f + bias)`` in fp32 for tokens ``t64`` and
+    channels ``c`` (0 outside ``tmask`` / ``c < C``), and the [BT, BC] mask."""
     m2 = tmask[:, None] & (c < C)[None, :]
-    t64 = t.to(tl.int64)
     K = N * C
     i = tl.arange(0, N)
     f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -212,15 +230,69 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
         h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
                         mask=tmask[:, None], other=0.0)
         acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
-    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
+    return acc, m2
+
+
+@triton.jit
+def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """x' on a (token block, channel block) grid."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    i = tl.arange(0, N)
+    acc, m2 = _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C,
+                            HAS_BIAS, N)
+    tl.store(out_ptr + t64[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+
+
+@triton.jit
+def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi_ptr, part_ptr,
+                      ss_ptr, T, C, C_PER_SPLIT, HAS_BIAS: tl.constexpr, N: tl.constexpr,
+                      M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x' and, from the stored (rounded) x', the next sublayer's projection partials.
+
+    Program (token block, channel split) walks its channels: writes ``x'[t, :, c]`` and
+    accumulates ``part[split, t, :] = x'[t, :, split] @ phi_next[:, :, split]^T`` and
+    ``ss[split, t]``, the layout ``_proj_partial`` writes (so ``_mappings_fwd`` sums them)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    split = tl.program_id(1)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    K = N * C
+    i = tl.arange(0, N)
+    mcol = tl.arange(0, MP)
+    kk = tl.arange(0, N * BC)  # column of the flattened [BT, N*BC] tile: stream-major
+    acc_p = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    c_start = split * C_PER_SPLIT
+    for c0 in range(c_start, c_start + C_PER_SPLIT, BC):
+        c = c0 + tl.arange(0, BC)
+        acc, m2 = _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C,
+                                HAS_BIAS, N)
+        xo = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :], xo,
+                 mask=m2[:, None, :])
+        kc = c0 + kk % BC
+        ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + ((kk // BC) * C + kc)[:, None],
+                     mask=(kc < C)[:, None] & (mcol[None, :] < M), other=0.0)
+        acc_p, ss = _proj_accumulate(tl.reshape(xo, [BT, N * BC]), ph, acc_p, ss, PREC,
+                                     SPLIT_PHI, INTERPRETED)
+    row = split.to(tl.int64) * T + t64
+    tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc_p, mask=tmask[:, None])
+    tl.store(ss_ptr + row, ss, mask=tmask)
 
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
-                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
-                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C, HAS_BIAS: tl.constexpr,
+                 HAS_DX: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """df, dH_post, dH_res (and dx = H_res^T g unless pre's dx kernel adds it: HAS_DX=False)
+    for a token block, looping over C."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -245,11 +317,12 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                          other=0.0).to(tl.float32)
             col = tl.sum(g3 * xj[:, None, :], axis=2)  # dH_res[:, :, j] contribution
             d_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
-            h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
-                            mask=tmask[:, None], other=0.0)
-            dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
-            tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
-                     dxj.to(dx_ptr.dtype.element_ty), mask=m2)
+            if HAS_DX:
+                h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
+                                mask=tmask[:, None], other=0.0)
+                dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+                tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
+                         dxj.to(dx_ptr.dtype.element_ty), mask=m2)
     ij = i[:, None] * N + i[None, :]
     tl.store(dhpost_ptr + t64[:, None] * N + i[None, :], d_post, mask=tmask[:, None])
     tl.store(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], d_res,
@@ -351,15 +424,15 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 
 
 @triton.jit
-def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
-                 T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
+def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
+                 dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  PREC: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
     Program (stream s, channel block, token split) walks its tokens:
     ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
-    (+ acc[t, s, c], the combine's dx, when HAS_ACC)`` and accumulates
+    (+ sum_i h_res[t, i, s] g[t, i, c], the combine's dx, when HAS_G)`` and accumulates
     ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
     fastest in the launch order, so the N programs sharing a dy tile run together (L2)."""
     s = tl.program_id(0) % N
@@ -385,8 +458,11 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
         offs = t64[:, None] * K + k[None, :]
         xs = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
         dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
-        if HAS_ACC:
-            dxs += tl.load(acc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        if HAS_G:
+            for i in tl.static_range(N):
+                w = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask, other=0.0)
+                gi = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2, other=0.0)
+                dxs += w[:, None] * gi.to(tl.float32)
         tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
@@ -410,6 +486,8 @@ class KernelTiles:
     map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
+    combine_proj: dict = field(default_factory=lambda: {  # n: (tokens, channels/step, warps,
+        1: (64, 128, 4, 2), 2: (64, 64, 4, 2), 4: (64, 32, 4, 2), 8: (32, 16, 8, 2)})  # stages)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
     dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
 
@@ -438,41 +516,9 @@ def _check(x: torch.Tensor, n: int) -> None:
         raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}")
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` and ``b`` are one autograd tensor or equal views of one base (so a gradient
-    for one is a gradient for the other)."""
-    if a is b:
-        return True
-    return (a._base is not None and a._base is b._base and a.data_ptr() == b.data_ptr()
-            and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
-
-
-class _DxLink:
-    """Lets "combine" hand its ``dx`` to the "pre" of the same ``x`` (one sublayer).
-
-    ``x`` feeds both ops, so autograd would add two x-sized gradients (read 2, write 1).
-    When combine's ``h_res`` comes from our pre on the same ``x`` (unmodified), combine's
-    backward parks its ``dx`` here and returns None for ``x``; pre's backward (which runs
-    after it: it needs the gradients of ``h_res``/``h_post``) adds it inside its dx kernel.
-    """
-
-    def __init__(self, x: torch.Tensor):
-        self.x = weakref.ref(x)
-        self.version = x._version
-        self.claimed = False
-        self.pending: torch.Tensor | None = None
-
-    def claim(self, x: torch.Tensor) -> bool:
-        px = self.x()
-        ok = (not self.claimed and px is not None and x.requires_grad
-              and x._version == self.version and _same_tensor(x, px))
-        self.claimed = self.claimed or ok
-        return ok
-
-
 class _PreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps, link):
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link, offered):
         T, n, C = x.shape
         _check(x, n)
         x = x.contiguous()
@@ -486,18 +532,12 @@ class _PreFn(torch.autograd.Function):
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
         if T > 0:
-            bt, bk, warps, stages = TILES.proj[n]
-            splits, per = _splits(triton.cdiv(T, bt), K, bk)
-            part = torch.empty(splits, T, mp, device=dev, dtype=f32)
-            part_ss = torch.empty(splits, T, device=dev, dtype=f32)
-            _proj_partial[(triton.cdiv(T, bt), splits)](
-                x, phi, part, part_ss, T, K, per, M=m, MP=mp, BT=bt, BK=bk,
-                PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
-                INTERPRETED=_INTERPRETED,
-                num_warps=warps, num_stages=stages)
+            if offered is None:
+                offered = _project(x, phi)
             _mappings_fwd[(triton.cdiv(T, TILES.map_tokens),)](
-                part, part_ss, alpha, bias, h_pre, h_post, h_res, ht, rstd, T, K, splits,
-                float(eps), int(iters), N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
+                offered.part, offered.ss, alpha, bias, h_pre, h_post, h_res, ht, rstd, T, K,
+                offered.splits, float(eps), int(iters), N=n, MP=mp, BT=TILES.map_tokens,
+                num_warps=4)
             bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
             _aggregate_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
                 x, h_pre, y, T, C, N=n, BT=bt, BC=bc, num_warps=warps)
@@ -513,9 +553,9 @@ class _PreFn(torch.autograd.Function):
         T, n, C = x.shape
         m, mp, K = 2 * n + n * n, _padded_m(n), n * C
         dev, f32 = x.device, torch.float32
-        dx_combine = None
+        g_combine = None
         if ctx.link is not None:
-            dx_combine, ctx.link.pending = ctx.link.pending, None
+            g_combine, ctx.link.pending = ctx.link.pending, None
         dy = torch.zeros(T, C, device=dev, dtype=x.dtype) if dy is None else dy.contiguous()
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else dh_post.float().contiguous()
         dh_res = (torch.zeros(T, n, n, device=dev) if dh_res is None
@@ -542,33 +582,61 @@ class _PreFn(torch.autograd.Function):
                 dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, hist, T, K, ctx.iters,
                 HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
             del hist
+            g, g_res = g_combine if g_combine is not None else (x, h_pre)
             _pre_dx_dphi[(dx_blocks, dx_splits)](
-                x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x, dx,
-                dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m, MP=mp,
-                BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
-        elif dx_combine is not None:
-            dx = dx_combine
+                x, dy, h_pre, dp, coef, phi, g, g_res, dx, dphi_part, T, C, dx_per,
+                HAS_G=g_combine is not None, N=n, M=m, MP=mp, BT=bt_dx, BC=bc_dx, PREC=prec,
+                num_warps=warps_dx)
         dphi = dphi_part.sum(0)[:m].to(phi.dtype)
         groups = (slice(0, n), slice(n, 2 * n), slice(2 * n, m))
         dalpha = torch.stack([(dz[:, g] * ht[:, g]).sum() for g in groups]).to(alpha.dtype)
         dbias = dz[:, :m].sum(0).to(bias.dtype)
-        return dx, dphi, dalpha, dbias, None, None, None
+        return dx, dphi, dalpha, dbias, None, None, None, None
+
+
+def _project(x: torch.Tensor, phi: torch.Tensor) -> ProjectionPartials:
+    """Projection partials of ``x [T, n, C]`` (T > 0) with ``phi`` by ``_proj_partial``."""
+    T, n, C = x.shape
+    m, mp, K = 2 * n + n * n, _padded_m(n), n * C
+    bt, bk, warps, stages = TILES.proj[n]
+    splits, per = _splits(triton.cdiv(T, bt), K, bk)
+    part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
+    ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
+    _proj_partial[(triton.cdiv(T, bt), splits)](
+        x, phi, part, ss, T, K, per, M=m, MP=mp, BT=bt, BK=bk, PREC=_dot_precision(x.dtype),
+        SPLIT_PHI=_projection_splits_phi(x.dtype), INTERPRETED=_INTERPRETED,
+        num_warps=warps, num_stages=stages)
+    return ProjectionPartials(part, ss, splits)
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, f, f_bias, h_res, h_post, link):
+    def forward(ctx, x, f, f_bias, h_res, h_post, link, next_phi, offer_box):
         T, n, C = x.shape
         _check(x, n)
         x, f = x.contiguous(), f.contiguous()
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = h_res.float().contiguous(), h_post.float().contiguous()
         out = torch.empty_like(x)
-        bt, bc, warps = TILES.combine_fwd
-        bc = min(bc, triton.next_power_of_2(C))
-        if T > 0:
+        fb = f_bias if f_bias is not None else f
+        if T > 0 and next_phi is not None:
+            m, mp = 2 * n + n * n, _padded_m(n)
+            bt, bc, warps, stages = TILES.combine_proj[n]
+            bc = min(bc, triton.next_power_of_2(C))
+            splits, per = _splits(triton.cdiv(T, bt), C, bc)
+            part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
+            ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
+            _combine_proj_fwd[(triton.cdiv(T, bt), splits)](
+                x, f, fb, h_res, h_post, out, next_phi.contiguous(), part, ss, T, C, per,
+                HAS_BIAS=f_bias is not None, N=n, M=m, MP=mp, BT=bt, BC=bc,
+                PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
+                INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
+            offer_box.append(ProjectionPartials(part, ss, splits))
+        elif T > 0:
+            bt, bc, warps = TILES.combine_fwd
+            bc = min(bc, triton.next_power_of_2(C))
             _combine_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
-                x, f, f_bias if f_bias is not None else f, h_res, h_post, out, T, C,
+                x, f, fb, h_res, h_post, out, T, C,
                 HAS_BIAS=f_bias is not None, N=n, BT=bt, BC=bc, num_warps=warps)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
         ctx.link = link
@@ -579,42 +647,61 @@ class _CombineFn(torch.autograd.Function):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
         T, n, C = x.shape
         g = g.contiguous()
-        dx = torch.empty_like(x)
+        hand_over = ctx.link is not None  # pre's dx kernel adds H_res^T g (see DxLink)
+        dx = None if hand_over else torch.empty_like(x)
         df = torch.empty_like(f)
         dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
         bt, bc, warps = TILES.combine_bwd
         if T > 0:
             _combine_bwd[(triton.cdiv(T, bt),)](
-                g, x, f, f_bias if f_bias is not None else f, h_res, h_post, dx, df, dh_res,
-                dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=bt,
+                g, x, f, f_bias if f_bias is not None else f, h_res, h_post,
+                dx if dx is not None else g, df, dh_res, dh_post, T, C,
+                HAS_BIAS=f_bias is not None, HAS_DX=not hand_over, N=n, BT=bt,
                 BC=min(bc, triton.next_power_of_2(C)), num_warps=warps)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
             dbias = df.sum(0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
             dbias = dbias.to(f_bias.dtype)
-        if ctx.link is not None:
-            ctx.link.pending, dx = dx, None  # pre's backward adds it (see _DxLink)
+        if hand_over:
+            ctx.link.pending = (g, h_res)
         res_dtype, post_dtype = ctx.mapping_dtypes
-        return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None
+        return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None, None, None
 
 
 def pre(x, phi, alpha, bias, sinkhorn_iterations, eps):
-    """Fused mappings + aggregate: ``(y [T,C], h_pre [T,n], h_post [T,n], h_res [T,n,n])``."""
-    link = _DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link)
+    """Fused mappings + aggregate: ``(y [T,C], h_pre [T,n], h_post [T,n], h_res [T,n,n])``.
+
+    If the combine that wrote ``x`` was given this ``phi`` as ``next_phi``, its projection
+    partials are used and ``x`` is read once (by the aggregate) instead of twice."""
+    link = DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
+    offered = take_projection(x, phi) if x.is_contiguous() else None
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, offered)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs
 
 
-def combine(x, f, f_bias, h_res, h_post):
+def combine(x, f, f_bias, h_res, h_post, next_phi=None):
     """Fused expand-combine ``H_res x + H_post (f + f_bias)`` -> ``[T, n, C]`` in ``x.dtype``.
 
-    If ``h_res`` comes from :func:`pre` on this same ``x``, the two ``dx`` are summed inside
-    pre's backward kernel instead of by autograd (see :class:`_DxLink`)."""
+    If ``h_res`` comes from :func:`pre` on this same ``x``, the x-gradient of both is formed
+    inside pre's backward kernel instead of by autograd (see :class:`DxLink`).
+    ``next_phi [2n + n^2, n*C]``: the phi of the sublayer that reads ``x'`` next; its
+    projection of ``x'`` is computed here and offered to that sublayer's :func:`pre`
+    (forward only: the gradient path is unchanged, pre's backward covers ``phi``)."""
+    T, n, C = x.shape
+    if next_phi is not None and tuple(next_phi.shape) != (2 * n + n * n, n * C):
+        raise ValueError(
+            f"combine: next_phi has shape {tuple(next_phi.shape)}, expected the next "
+            f"sublayer's phi [2n + n^2, n*C] = [{2 * n + n * n}, {n * C}] for x {tuple(x.shape)}."
+            " Fix: pass the phi of the hyper-connection that reads this output, or None.")
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
         link = None
-    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link)
+    box: list[ProjectionPartials] = []
+    out = _CombineFn.apply(x, f, f_bias, h_res, h_post, link, next_phi, box)
+    if box:
+        offer_projection(out, next_phi, box[0])
+    return out
