@@ -2,15 +2,20 @@
 torch.compile) vs TransformerEngine 2.20.2's Triton mHC, measured side by side in one run.
 
 For every (M = s*b, C), n = 4, bf16 activations, fp32 mapping parameters it times (median of
-``triton.testing.do_bench``):
+``triton.testing.do_bench``) a chain of ``DEPTH`` sublayers as a model runs them: sublayer k
+does pre (mappings + aggregate) on the streams x_k, takes its own f_k as the sublayer
+output, and post (expand-combine with bias) gives x_{k+1}. Each sublayer has its own phi and
+f. Reported per sublayer (chain time / DEPTH):
 
-* ``pre fwd``   mappings + aggregate (TE: projection, scale, sinkhorn, aggregate kernels)
-* ``post fwd``  expand-combine with bias
-* ``fwd``       pre + post of one sublayer
-* ``fwd+bwd``   pre + post forward and backward (grads for x, f, bias, phi, alpha, b)
-* ours only: ``pre bwd`` / ``post bwd`` (backward alone), each with achieved GB/s and % of
-  the measured device-to-device copy bandwidth, counting each input read once and each
-  output written once.
+* ``fwd``       pre + post
+* ``fwd+bwd``   forward and backward (grads for x, every f, bias, phi, alpha, b)
+
+Ours runs as the layer runs it: each combine also computes the next sublayer's projection
+(``next_phi``) and the first sublayer of the chain computes its own, so the per-sublayer
+time includes 1/DEPTH of one standalone projection (a model with 2L sublayers pays 1/2L).
+The others have no such fusion; they run the same chain. Then, ours only, each op alone
+with its achieved GB/s and % of the measured device-to-device copy bandwidth, counting each
+input read once and each output written once (see ``Case.bytes``).
 
     python benchmarks/bench_mhc.py [--sizes 16384x4096 ...] [--no-compile] [--out table.md]
                                    [--tiles tiles.json]
@@ -28,10 +33,12 @@ import triton
 sys.path.insert(0, ".")
 from mhc_megatron.kernels import reference as ref  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
+from mhc_megatron.kernels.handoff import STATS  # noqa: E402
 
 N = 4
 ITERS = 20
 EPS = 1e-6
+DEPTH = 4  # sublayers per timed chain
 
 
 def bench(fn, rep=200):
@@ -46,89 +53,121 @@ def copy_bandwidth():
 
 
 class Case:
-    def __init__(self, m, c, dtype=torch.bfloat16):
-        g = torch.Generator(device="cuda").manual_seed(0)
+    """Inputs of one size: streams x, per-sublayer phi and f, shared alpha / bias / f bias,
+    upstream gradients; plus the same bytes in TE's stream-minor layout."""
+
+    def __init__(self, m, c, dtype=torch.bfloat16, device="cuda"):
+        g = torch.Generator(device=device).manual_seed(0)
         self.m, self.c = m, c
-        self.x = torch.randn(m, N, c, device="cuda", dtype=dtype, generator=g)
-        self.f = torch.randn(m, c, device="cuda", dtype=dtype, generator=g)
-        self.fb = torch.randn(c, device="cuda", dtype=dtype, generator=g)
         mm = 2 * N + N * N
-        self.phi = torch.randn(mm, N * c, device="cuda", generator=g) / (N * c) ** 0.5
-        self.alpha = torch.full((3,), 0.5, device="cuda")
-        self.bias = torch.randn(mm, device="cuda", generator=g)
-        self.gy = torch.randn(m, c, device="cuda", dtype=dtype, generator=g)
-        self.gx = torch.randn(m, N, c, device="cuda", dtype=dtype, generator=g)
+        self.x = torch.randn(m, N, c, device=device, dtype=dtype, generator=g)
+        self.fs = [torch.randn(m, c, device=device, dtype=dtype, generator=g)
+                   for _ in range(DEPTH)]
+        self.fb = torch.randn(c, device=device, dtype=dtype, generator=g)
+        self.phis = [torch.randn(mm, N * c, device=device, generator=g) / (N * c) ** 0.5
+                     for _ in range(DEPTH)]
+        self.alpha = torch.full((3,), 0.5, device=device)
+        self.bias = torch.randn(mm, device=device, generator=g)
+        self.gy = torch.randn(m, c, device=device, dtype=dtype, generator=g)
+        self.gx = torch.randn(m, N, c, device=device, dtype=dtype, generator=g)
         # TE layout: [s, b, C, n] (stream-minor); same bytes, its own phi column order.
         self.x_te = self.x.permute(0, 2, 1).contiguous().view(m, 1, c, N)
-        self.f_te = self.f.view(m, 1, c)
-        self.beta_te = self.bias.view(1, mm)
         self.gx_te = self.gx.permute(0, 2, 1).contiguous().view(m, 1, c, N)
+
+    def inputs(self, is_te=False):
+        """[x, alpha, bias, f bias, *phis, *fs] in the impl's layout."""
+        if is_te:
+            return ([self.x_te, self.alpha, self.bias.view(1, -1), self.fb] + self.phis
+                    + [f.view(self.m, 1, self.c) for f in self.fs])
+        return [self.x, self.alpha, self.bias, self.fb] + self.phis + self.fs
 
     def bytes(self, elt=2):
         x = self.m * N * self.c * elt
-        return {"pre fwd": x + x / N, "post fwd": x + x / N + x,
-                "pre bwd": 2 * x + x / N, "post bwd": 3 * x + 2 * x / N}
+        y = x / N
+        return {"pre fwd": x + y, "pre fwd, own projection": x + y, "post fwd": x + y + x,
+                "post fwd, no handoff": x + y + x, "sublayer bwd": 3 * x + 3 * y}
 
 
-def ours_or_ref(pre, post):
-    def fwd(cs, leaves=None):
-        x, phi, alpha, bias, f, fb = leaves or (cs.x, cs.phi, cs.alpha, cs.bias, cs.f, cs.fb)
-        y, hp, hq, hr = pre(x, phi, alpha, bias, ITERS, EPS)
-        return y, post(x, f, fb, hr, hq)
+def chain(pre, post, hands_projection=False):
+    """fwd(inputs) running DEPTH sublayers; returns (the ys, the last streams)."""
+    def fwd(inputs):
+        x, alpha, bias, fb = inputs[:4]
+        phis, fs = inputs[4:4 + DEPTH], inputs[4 + DEPTH:]
+        ys = []
+        for k in range(DEPTH):
+            y, _, h_post, h_res = pre(x, phis[k], alpha, bias, ITERS, EPS)
+            nxt = {"next_phi": phis[k + 1]} if hands_projection and k + 1 < DEPTH else {}
+            x = post(x, fs[k], fb, h_res, h_post, **nxt)
+            ys.append(y)
+        return ys, x
     return fwd
 
 
-def te_fwd(te):
-    def fwd(cs, leaves=None):
-        x, phi, alpha, bias, f, fb = leaves or (cs.x_te, cs.phi, cs.alpha, cs.beta_te, cs.f_te, cs.fb)
-        y, hq, hr = te.mhc_generate_mix_and_aggregate(x, phi, alpha, bias)
-        return y, te.mhc_fused_expand_combine(f, fb, hq, x, hr, N)
-    return fwd
+def te_chain(te):
+    def pre(x, phi, alpha, bias, iters, eps):
+        y, h_post, h_res = te.mhc_generate_mix_and_aggregate(x, phi, alpha, bias)
+        return y, None, h_post, h_res
+
+    def post(x, f, fb, h_res, h_post):
+        return te.mhc_fused_expand_combine(f, fb, h_post, x, h_res, N)
+    return chain(pre, post)
 
 
 def fwd_bwd_step(fwd, cs, is_te=False):
-    """A closure running one pre+post forward and backward on fresh leaf copies."""
-    base = (cs.x_te, cs.phi, cs.alpha, cs.beta_te, cs.f_te, cs.fb) if is_te else \
-        (cs.x, cs.phi, cs.alpha, cs.bias, cs.f, cs.fb)
-    leaves = [t.detach().clone().requires_grad_() for t in base]
+    """A closure running the chain's forward and backward on fresh leaf copies."""
+    leaves = [t.detach().clone().requires_grad_() for t in cs.inputs(is_te)]
     gx = cs.gx_te if is_te else cs.gx
     gy = cs.gy.view(cs.m, 1, cs.c) if is_te else cs.gy
 
     def step():
         for t in leaves:
             t.grad = None
-        y, out = fwd(cs, leaves)
-        torch.autograd.backward([y, out], [gy, gx])
+        ys, out = fwd(leaves)
+        torch.autograd.backward(ys + [out], [gy] * len(ys) + [gx])
     return step
 
 
-def time_impl(name, fwd, cs, is_te=False):
+def time_impl(fwd, cs, is_te=False):
+    """Per-sublayer fwd and fwd+bwd times (ms) of the chain."""
     row = {}
+    inputs = cs.inputs(is_te)
     with torch.no_grad():
-        row["fwd"] = bench(lambda: fwd(cs))
-    step = fwd_bwd_step(fwd, cs, is_te)
-    row["fwd+bwd"] = bench(step)
+        row["fwd"] = bench(lambda: fwd(inputs)) / DEPTH
+    row["fwd+bwd"] = bench(fwd_bwd_step(fwd, cs, is_te)) / DEPTH
     return row
 
 
-def time_parts_ours(cs):
-    parts = {}
-    x, phi, alpha, bias, f, fb = (cs.x, cs.phi, cs.alpha, cs.bias, cs.f, cs.fb)
+def ours_ops(cs):
+    """Closures running one of our ops alone (keys of ``Case.bytes``)."""
+    x, alpha, bias, fb = cs.x, cs.alpha, cs.bias, cs.fb
+    (phi, phi2), f = cs.phis[:2], cs.fs[0]
     with torch.no_grad():
-        parts["pre fwd"] = bench(lambda: triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS))
-        _, hp, hq, hr = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS)
-        parts["post fwd"] = bench(lambda: triton_mhc.combine(x, f, fb, hr, hq))
-    xl = x.detach().clone().requires_grad_()
-    pl = [t.detach().clone().requires_grad_() for t in (phi, alpha, bias)]
-    outs = triton_mhc.pre(xl, *pl, ITERS, EPS)
-    grads = [cs.gy, torch.randn_like(hp), torch.randn_like(hq), torch.randn_like(hr)]
-    # autograd.grad, not backward: no accumulation into .grad inside the timed region
-    parts["pre bwd"] = bench(lambda: torch.autograd.grad(outs, [xl] + pl, grads,
-                                                         retain_graph=True))
-    ls = [t.detach().clone().requires_grad_() for t in (x, f, fb, hr, hq)]
-    out = triton_mhc.combine(*ls)
-    parts["post bwd"] = bench(lambda: torch.autograd.grad(out, ls, cs.gx, retain_graph=True))
-    return parts
+        _, _, hq, hr = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS)
+        x2 = triton_mhc.combine(x, f, fb, hr, hq, next_phi=phi2)  # x2 carries an offer
+
+    def no_grad(fn, *args, **kwargs):
+        def run():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return run
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x, phi, alpha, bias, f, fb)]
+    xl, phil, alphal, biasl, fl, fbl = leaves
+    y, _, hql, hrl = triton_mhc.pre(xl, phil, alphal, biasl, ITERS, EPS)
+    out = triton_mhc.combine(xl, fl, fbl, hrl, hql)  # combine's dx handed to pre's kernel
+    return {
+        "pre fwd": no_grad(triton_mhc.pre, x2, phi2, alpha, bias, ITERS, EPS),
+        "pre fwd, own projection": no_grad(triton_mhc.pre, x, phi, alpha, bias, ITERS, EPS),
+        "post fwd": no_grad(triton_mhc.combine, x, f, fb, hr, hq, next_phi=phi2),
+        "post fwd, no handoff": no_grad(triton_mhc.combine, x, f, fb, hr, hq),
+        # autograd.grad, not backward: no accumulation into .grad inside the timed region
+        "sublayer bwd": lambda: torch.autograd.grad([y, out], leaves, [cs.gy, cs.gx],
+                                                    retain_graph=True),
+    }
+
+
+def time_parts_ours(cs):
+    return {name: bench(op) for name, op in ours_ops(cs).items()}
 
 
 def apply_tiles(path):
@@ -138,7 +177,7 @@ def apply_tiles(path):
     with open(path) as fh:
         tiles = json.load(fh)
     for key, value in tiles.items():
-        if key == "proj":
+        if isinstance(value, dict):
             value = {int(n): tuple(v) for n, v in value.items()}
         elif isinstance(value, list):
             value = tuple(value)
@@ -165,18 +204,18 @@ def main():
 
         te = load_te_mhc(args.te_root)
     bw = copy_bandwidth()
-    impls = {"ours": ours_or_ref(triton_mhc.pre, triton_mhc.combine),
-             "reference": ours_or_ref(ref.pre, ref.expand_combine)}
+    impls = {"ours": (chain(triton_mhc.pre, triton_mhc.combine, hands_projection=True), False),
+             "reference": (chain(ref.pre, ref.expand_combine), False)}
     if not args.no_compile:
-        impls["compiled ref"] = ours_or_ref(torch.compile(ref.pre, dynamic=True),
-                                            torch.compile(ref.expand_combine, dynamic=True))
+        impls["compiled ref"] = (chain(torch.compile(ref.pre, dynamic=True),
+                                       torch.compile(ref.expand_combine, dynamic=True)), False)
     if te is not None:
-        impls["TE 2.20.2"] = te_fwd(te)
+        impls["TE 2.20.2"] = (te_chain(te), True)
 
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"triton {triton.__version__}; copy bandwidth {bw:.0f} GB/s (read+write); "
-             f"n={N}, bf16 x/f, fp32 mappings, Sinkhorn {ITERS} iterations; times in ms "
-             "(median of triton.testing.do_bench)", ""]
+             f"n={N}, bf16 x/f, fp32 mappings, Sinkhorn {ITERS} iterations; times in ms per "
+             f"sublayer (chains of {DEPTH}; median of triton.testing.do_bench)", ""]
     header = "| M | C | impl | fwd | fwd+bwd | fwd / ours | fwd+bwd / ours |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     part_lines = ["", "| M | C | our kernel | ms | GB/s | % of copy BW |", "|---|---|---|---|---|---|"]
@@ -184,9 +223,10 @@ def main():
         m, c = (int(v) for v in size.split("x"))
         cs = Case(m, c)
         rows = {}
-        for name, fwd in impls.items():
+        taken = STATS["projections_taken"]
+        for name, (fwd, is_te) in impls.items():
             try:
-                rows[name] = time_impl(name, fwd, cs, is_te=name.startswith("TE"))
+                rows[name] = time_impl(fwd, cs, is_te)
             except torch.OutOfMemoryError:
                 rows[name] = None
             torch.cuda.empty_cache()
@@ -197,6 +237,8 @@ def main():
                 continue
             lines.append(f"| {m} | {c} | {name} | {r['fwd']:.3f} | {r['fwd+bwd']:.3f} | "
                          f"{r['fwd'] / ours['fwd']:.2f} | {r['fwd+bwd'] / ours['fwd+bwd']:.2f} |")
+        if STATS["projections_taken"] == taken:
+            raise RuntimeError("our chain took no projection handoff: the fused path was not timed")
         parts = time_parts_ours(cs)
         for k, ms in parts.items():
             gbs = cs.bytes()[k] / ms / 1e6

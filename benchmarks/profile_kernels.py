@@ -1,8 +1,9 @@
-"""Per-kernel GPU time of one pre+post forward+backward (ours, and TE 2.20.2 when carried).
+"""Per-kernel GPU time of one sublayer's pre+post forward+backward (ours, and TE 2.20.2 when
+carried).
 
 Complements ``bench_mhc.py`` (which times whole ops): runs ``torch.profiler`` over a few
-steps and prints each CUDA kernel's mean time per step, so one can see which kernel bounds
-the op. Same inputs and calling convention as ``bench_mhc.py``.
+steps of the same chain of ``DEPTH`` sublayers and prints each CUDA kernel's mean time per
+sublayer, so one can see which kernel bounds the op.
 
     python benchmarks/profile_kernels.py [--size 16384x4096] [--no-te] [--steps 10] [--tiles tiles.json]
 """
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_mhc import Case, apply_tiles, fwd_bwd_step, ours_or_ref, te_fwd  # noqa: E402
+from bench_mhc import DEPTH, Case, apply_tiles, chain, fwd_bwd_step, te_chain  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def profile_step(fwd, cs, is_te, steps):
     per_kernel = collections.defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name[:70]] += ev.device_time / 1e3 / steps  # ms per step
+            per_kernel[ev.name[:70]] += ev.device_time / 1e3 / steps / DEPTH  # ms/sublayer
     return sorted(per_kernel.items(), key=lambda kv: -kv[1])
 
 
@@ -50,12 +51,13 @@ def main():
         apply_tiles(args.tiles)
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
-    impls = {"ours": (ours_or_ref(triton_mhc.pre, triton_mhc.combine), False)}
+    impls = {"ours": (chain(triton_mhc.pre, triton_mhc.combine, hands_projection=True), False)}
     if not args.no_te:
         from te_peer import load_te_mhc
 
-        impls["TE 2.20.2"] = (te_fwd(load_te_mhc(args.te_root)), True)
-    print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; CUDA kernel ms per fwd+bwd step")
+        impls["TE 2.20.2"] = (te_chain(load_te_mhc(args.te_root)), True)
+    print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; CUDA kernel ms per sublayer "
+          f"(fwd+bwd of chains of {DEPTH}; ours: {DEPTH - 1} of {DEPTH} projections in combine)")
     for name, (fwd, is_te) in impls.items():
         rows = profile_step(fwd, cs, is_te, args.steps)
         print(f"\n{name}: total {sum(v for _, v in rows):.3f} ms")
