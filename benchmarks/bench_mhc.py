@@ -38,7 +38,7 @@ from mhc_megatron.kernels.handoff import STATS  # noqa: E402
 N = 4
 ITERS = 20
 EPS = 1e-6
-DEPTH = 4  # sublayers per timed chain
+DEPTH = 8  # sublayers per timed chain
 
 
 def bench(fn, rep=200):

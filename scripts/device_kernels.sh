@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Kernel work on the lent GPU machine in one call: the Triton and recompute tests on the GPU,
-# then (optionally) the tile tuner, the benchmark with the tuned tiles and the per-kernel
-# profile. Results go to $OUT (default out/device).
+# Kernel work on the lent GPU machine in one call: (optionally) the tile tuner, the benchmark
+# with the tuned tiles, the per-kernel profile, then the Triton and recompute tests on the GPU. Results go to $OUT (default out/device).
 #   carry [".whl", ".te"];  TUNE=1 runs benchmarks/tune_tiles.py first;
 #   SIZES="16384x4096 ..." (default 16384x4096); BENCH_ARGS: extra bench_mhc.py arguments.
 set -uo pipefail
@@ -10,9 +9,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
-python3 -m pytest tests/test_triton_kernels.py tests/test_recompute.py -q -p no:cacheprovider \
-  2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
-rc_tests=${PIPESTATUS[0]}
 tiles=()
 if [ "${TUNE:-0}" = 1 ]; then
   python3 benchmarks/tune_tiles.py --out "$OUT/tiles.json" 2>&1 | tee "$OUT/tune_tiles.log"
@@ -22,4 +18,7 @@ python3 benchmarks/bench_mhc.py --sizes ${SIZES:-16384x4096} "${tiles[@]}" --out
   ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 rc_bench=${PIPESTATUS[0]}
 python3 benchmarks/profile_kernels.py "${tiles[@]}" 2>&1 | tee "$OUT/profile.log"
+python3 -m pytest tests/test_triton_kernels.py tests/test_recompute.py -q -p no:cacheprovider \
+  2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
+rc_tests=${PIPESTATUS[0]}
 echo "device_kernels: tests rc=$rc_tests bench rc=$rc_bench"

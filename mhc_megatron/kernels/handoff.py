@@ -5,11 +5,10 @@ itself, so results never depend on whether a handoff happened (up to the summati
 of an fp32 reduction).
 
 * :class:`DxLink` (backward, within a sublayer): ``x`` feeds both "pre" and "combine", so
-  autograd would add two x-sized gradients. When combine's ``h_res`` comes from our pre on
-  the same ``x`` (unmodified), combine's backward parks its upstream gradient ``g`` and
-  ``h_res`` on the link and returns None for ``x``; pre's backward (which runs after it: it
-  needs the gradients of ``h_res`` / ``h_post``) adds ``H_res^T g`` inside its dx kernel, so
-  combine never writes a dx of its own and x's gradient is written once per sublayer.
+  autograd would add two x-sized gradients (read 2, write 1). When combine's ``h_res`` comes
+  from our pre on the same ``x`` (unmodified), combine's backward parks its ``dx`` on the
+  link and returns None for ``x``; pre's backward (which runs after it: it needs the
+  gradients of ``h_res`` / ``h_post``) adds it inside its dx kernel.
 * projection offers (forward, across sublayers): combine, given the *next* sublayer's
   ``phi``, computes the projection partials ``x' @ phi^T`` and ``sum(x'^2)`` while ``x'`` is
   in registers and :func:`offer_projection` registers them under ``x'``'s storage; the next
@@ -45,7 +44,7 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 
 class DxLink:
-    """Hands combine's upstream gradient to the pre of the same ``x`` (see module doc).
+    """Hands combine's ``dx`` to the pre of the same ``x`` (see module doc).
 
     "Same ``x``": the same tensor or an equal view (address, shape, strides, dtype) of the
     same base, unmodified since pre read it, so that a gradient for one is a gradient for
@@ -57,7 +56,7 @@ class DxLink:
         self.geometry = _key(x)
         self.version = x._version
         self.claimed = False
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (g, h_res)
+        self.pending: torch.Tensor | None = None  # combine's dx
 
     def claim(self, x: torch.Tensor) -> bool:
         ok = (not self.claimed and x.requires_grad and self.root() is _root(x)

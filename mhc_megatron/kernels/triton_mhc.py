@@ -16,8 +16,7 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; ``_combine_proj_fwd``: the same
   plus, given the next sublayer's ``phi``, that sublayer's projection partials of the stored
   ``x'`` (what ``_proj_partial`` would compute), so the next "pre" reads ``x'`` once.
-* ``_combine_bwd``: ``df``, ``dH_post``, ``dH_res`` (and ``dx`` unless pre adds it) for a
-  token block, looping over C.
+* ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
   into an fp32 scratch and walked back; writes the logit gradients for ``dalpha``/``dbias``,
@@ -26,7 +25,7 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 
 Across ops (:mod:`mhc_megatron.kernels.handoff`): the gradient of x is written once per
 sublayer (x feeds "pre" and "combine"; when combine's mappings come from our pre on the same
-x, pre's dx kernel adds combine's ``H_res^T g``, and combine writes no dx at all), and in
+x, pre's dx kernel adds combine's dx: no autograd add of two x-sized tensors), and in
 the forward a combine told the next sublayer's ``phi`` hands its projection to that pre.
 
 Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
@@ -255,9 +254,11 @@ def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi
                       PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
     """x' and, from the stored (rounded) x', the next sublayer's projection partials.
 
-    Program (token block, channel split) walks its channels: writes ``x'[t, :, c]`` and
-    accumulates ``part[split, t, :] = x'[t, :, split] @ phi_next[:, :, split]^T`` and
-    ``ss[split, t]``, the layout ``_proj_partial`` writes (so ``_mappings_fwd`` sums them)."""
+    Program (token block, channel split) walks its channels; per channel block it loads the
+    N input streams once and, one output stream ``s`` at a time, writes
+    ``x'[t, s, c] = sum_j H_res[t, s, j] x[t, j, c] + H_post[t, s] (f + bias)[t, c]`` and
+    accumulates ``part[split, t, :] += x'[t, s, c] @ phi_next[:, s*C + c]^T`` and ``ss``: the
+    layout ``_proj_partial`` writes, summed by ``_mappings_fwd``."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tmask = t < T
@@ -265,22 +266,28 @@ def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi
     K = N * C
     i = tl.arange(0, N)
     mcol = tl.arange(0, MP)
-    kk = tl.arange(0, N * BC)  # column of the flattened [BT, N*BC] tile: stream-major
     acc_p = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
     c_start = split * C_PER_SPLIT
     for c0 in range(c_start, c_start + C_PER_SPLIT, BC):
         c = c0 + tl.arange(0, BC)
-        acc, m2 = _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C,
-                                HAS_BIAS, N)
-        xo = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :], xo,
-                 mask=m2[:, None, :])
-        kc = c0 + kk % BC
-        ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + ((kk // BC) * C + kc)[:, None],
-                     mask=(kc < C)[:, None] & (mcol[None, :] < M), other=0.0)
-        acc_p, ss = _proj_accumulate(tl.reshape(xo, [BT, N * BC]), ph, acc_p, ss, PREC,
-                                     SPLIT_PHI, INTERPRETED)
+        cmask = c < C
+        m2 = tmask[:, None] & cmask[None, :]
+        f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            f += tl.load(fbias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        x3 = tl.load(x_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
+                     mask=m2[:, None, :], other=0.0).to(tl.float32)
+        for s in tl.static_range(N):
+            w = tl.load(hres_ptr + t64[:, None] * (N * N) + s * N + i[None, :],
+                        mask=tmask[:, None], other=0.0)
+            hp = tl.load(hpost_ptr + t64 * N + s, mask=tmask, other=0.0)
+            xo = (tl.sum(x3 * w[:, :, None], axis=1) + hp[:, None] * f).to(
+                out_ptr.dtype.element_ty)
+            tl.store(out_ptr + t64[:, None] * K + s * C + c[None, :], xo, mask=m2)
+            ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + s * C + c[:, None],
+                         mask=cmask[:, None] & (mcol[None, :] < M), other=0.0)
+            acc_p, ss = _proj_accumulate(xo, ph, acc_p, ss, PREC, SPLIT_PHI, INTERPRETED)
     row = split.to(tl.int64) * T + t64
     tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc_p, mask=tmask[:, None])
     tl.store(ss_ptr + row, ss, mask=tmask)
@@ -289,10 +296,9 @@ def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
-                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C, HAS_BIAS: tl.constexpr,
-                 HAS_DX: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """df, dH_post, dH_res (and dx = H_res^T g unless pre's dx kernel adds it: HAS_DX=False)
-    for a token block, looping over C."""
+                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dx = H_res^T g, df, dH_post, dH_res for a token block, looping over C."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -317,12 +323,11 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                          other=0.0).to(tl.float32)
             col = tl.sum(g3 * xj[:, None, :], axis=2)  # dH_res[:, :, j] contribution
             d_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
-            if HAS_DX:
-                h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
-                                mask=tmask[:, None], other=0.0)
-                dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
-                tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
-                         dxj.to(dx_ptr.dtype.element_ty), mask=m2)
+            h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
+                            mask=tmask[:, None], other=0.0)
+            dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+            tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
+                     dxj.to(dx_ptr.dtype.element_ty), mask=m2)
     ij = i[:, None] * N + i[None, :]
     tl.store(dhpost_ptr + t64[:, None] * N + i[None, :], d_post, mask=tmask[:, None])
     tl.store(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], d_res,
@@ -424,15 +429,15 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 
 
 @triton.jit
-def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
-                 dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr, N: tl.constexpr,
+def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
+                 T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  PREC: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
     Program (stream s, channel block, token split) walks its tokens:
     ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
-    (+ sum_i h_res[t, i, s] g[t, i, c], the combine's dx, when HAS_G)`` and accumulates
+    (+ acc[t, s, c], the combine's dx, when HAS_ACC)`` and accumulates
     ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
     fastest in the launch order, so the N programs sharing a dy tile run together (L2)."""
     s = tl.program_id(0) % N
@@ -458,11 +463,8 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
         offs = t64[:, None] * K + k[None, :]
         xs = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
         dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
-        if HAS_G:
-            for i in tl.static_range(N):
-                w = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask, other=0.0)
-                gi = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2, other=0.0)
-                dxs += w[:, None] * gi.to(tl.float32)
+        if HAS_ACC:
+            dxs += tl.load(acc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
@@ -487,7 +489,7 @@ class KernelTiles:
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_proj: dict = field(default_factory=lambda: {  # n: (tokens, channels/step, warps,
-        1: (64, 128, 4, 2), 2: (64, 64, 4, 2), 4: (64, 32, 4, 2), 8: (32, 16, 8, 2)})  # stages)
+        1: (64, 128, 4, 2), 2: (64, 64, 4, 2), 4: (64, 64, 8, 2), 8: (32, 32, 8, 2)})  # stages)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
     dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
 
@@ -553,9 +555,9 @@ class _PreFn(torch.autograd.Function):
         T, n, C = x.shape
         m, mp, K = 2 * n + n * n, _padded_m(n), n * C
         dev, f32 = x.device, torch.float32
-        g_combine = None
+        dx_combine = None
         if ctx.link is not None:
-            g_combine, ctx.link.pending = ctx.link.pending, None
+            dx_combine, ctx.link.pending = ctx.link.pending, None
         dy = torch.zeros(T, C, device=dev, dtype=x.dtype) if dy is None else dy.contiguous()
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else dh_post.float().contiguous()
         dh_res = (torch.zeros(T, n, n, device=dev) if dh_res is None
@@ -582,11 +584,12 @@ class _PreFn(torch.autograd.Function):
                 dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, hist, T, K, ctx.iters,
                 HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
             del hist
-            g, g_res = g_combine if g_combine is not None else (x, h_pre)
             _pre_dx_dphi[(dx_blocks, dx_splits)](
-                x, dy, h_pre, dp, coef, phi, g, g_res, dx, dphi_part, T, C, dx_per,
-                HAS_G=g_combine is not None, N=n, M=m, MP=mp, BT=bt_dx, BC=bc_dx, PREC=prec,
-                num_warps=warps_dx)
+                x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x, dx,
+                dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m, MP=mp,
+                BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
+        elif dx_combine is not None:
+            dx = dx_combine
         dphi = dphi_part.sum(0)[:m].to(phi.dtype)
         groups = (slice(0, n), slice(n, 2 * n), slice(2 * n, m))
         dalpha = torch.stack([(dz[:, g] * ht[:, g]).sum() for g in groups]).to(alpha.dtype)
@@ -647,8 +650,7 @@ class _CombineFn(torch.autograd.Function):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
         T, n, C = x.shape
         g = g.contiguous()
-        hand_over = ctx.link is not None  # pre's dx kernel adds H_res^T g (see DxLink)
-        dx = None if hand_over else torch.empty_like(x)
+        dx = torch.empty_like(x)
         df = torch.empty_like(f)
         dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
@@ -656,16 +658,15 @@ class _CombineFn(torch.autograd.Function):
         if T > 0:
             _combine_bwd[(triton.cdiv(T, bt),)](
                 g, x, f, f_bias if f_bias is not None else f, h_res, h_post,
-                dx if dx is not None else g, df, dh_res, dh_post, T, C,
-                HAS_BIAS=f_bias is not None, HAS_DX=not hand_over, N=n, BT=bt,
+                dx, df, dh_res, dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=bt,
                 BC=min(bc, triton.next_power_of_2(C)), num_warps=warps)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
             dbias = df.sum(0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
             dbias = dbias.to(f_bias.dtype)
-        if hand_over:
-            ctx.link.pending = (g, h_res)
+        if ctx.link is not None:
+            ctx.link.pending, dx = dx, None  # pre's backward adds it (see DxLink)
         res_dtype, post_dtype = ctx.mapping_dtypes
         return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None, None, None
 
