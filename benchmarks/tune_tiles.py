@@ -6,7 +6,7 @@ group (the earlier groups were tuned before and are kept short here); it prints 
 writes the result as JSON for ``bench_mhc.py --tiles``. The chosen values are then copied
 into ``KernelTiles``' defaults by hand (with the table that justifies them).
 
-    python benchmarks/tune_tiles.py [--size 16384x4096] [--out tiles.json]
+    python benchmarks/tune_tiles.py [--size 16384x4096] [--out tiles.json] [--groups dx ...]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ T = triton_mhc.TILES
 GROUPS = [  # (TILES field, op it drives, candidates)
     ("combine_proj", "post fwd", [{4: v} for v in [(64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2),
                                                   (32, 64, 4, 2), (64, 128, 8, 2), (128, 32, 8, 2),
-                                                  (32, 128, 8, 2), (64, 32, 8, 3), (64, 64, 8, 3),
-                                                  (128, 64, 8, 2)]]),
+                                                  (32, 128, 8, 2), (64, 32, 4, 3), (64, 64, 8, 3),
+                                                  (128, 64, 8, 2), (64, 128, 4, 2), (32, 64, 4, 3),
+                                                  (64, 32, 8, 2), (128, 32, 4, 2)]]),
     ("target_programs", "post fwd", [256, 512, 1024, 2048]),
     ("dx", "sublayer bwd", [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 128, 4), (64, 128, 8),
                             (128, 64, 8), (32, 32, 4), (16, 64, 4), (64, 64, 8)]),
@@ -47,11 +48,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="16384x4096")
     p.add_argument("--out", default=None)
+    p.add_argument("--groups", nargs="*", default=None, help="TILES fields to tune (default all)")
     args = p.parse_args()
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
     print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; ms (median of do_bench)")
     for field, op, candidates in GROUPS:
+        if args.groups is not None and field not in args.groups:
+            continue
         best = None
         for cand in candidates:
             value = {**getattr(T, field), **cand} if field in DICT_FIELDS else cand

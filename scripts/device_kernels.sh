@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel work on the lent GPU machine in one call: (optionally) the tile tuner, the benchmark
 # with the tuned tiles, the per-kernel profile, then the Triton and recompute tests on the GPU. Results go to $OUT (default out/device).
-#   carry [".whl", ".te"];  TUNE=1 runs benchmarks/tune_tiles.py first;
+#   carry [".whl", ".te"];  TUNE=1 runs benchmarks/tune_tiles.py first (TUNE_ARGS: its options);
 #   SIZES="16384x4096 ..." (default 16384x4096); BENCH_ARGS: extra bench_mhc.py arguments.
 set -uo pipefail
 OUT="${OUT:-out/device}"; mkdir -p "$OUT"
@@ -11,7 +11,7 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
 tiles=()
 if [ "${TUNE:-0}" = 1 ]; then
-  python3 benchmarks/tune_tiles.py --out "$OUT/tiles.json" 2>&1 | tee "$OUT/tune_tiles.log"
+  python3 benchmarks/tune_tiles.py --out "$OUT/tiles.json" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_tiles.log"
   [ -f "$OUT/tiles.json" ] && tiles=(--tiles "$OUT/tiles.json")
 fi
 python3 benchmarks/bench_mhc.py --sizes ${SIZES:-16384x4096} "${tiles[@]}" --out "$OUT/bench.md" \

@@ -254,17 +254,16 @@ def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi
                       PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
     """x' and, from the stored (rounded) x', the next sublayer's projection partials.
 
-    Program (token block, channel split) walks its channels; per channel block it loads the
-    N input streams once and, one output stream ``s`` at a time, writes
-    ``x'[t, s, c] = sum_j H_res[t, s, j] x[t, j, c] + H_post[t, s] (f + bias)[t, c]`` and
-    accumulates ``part[split, t, :] += x'[t, s, c] @ phi_next[:, s*C + c]^T`` and ``ss``: the
-    layout ``_proj_partial`` writes, summed by ``_mappings_fwd``."""
+    Program (token block, channel split) walks its channels; per channel block and output
+    stream ``s`` it forms ``x'[t, s, c] = sum_j H_res[t, s, j] x[t, j, c] + H_post[t, s]
+    (f + bias)[t, c]`` from 2-D tiles (the N re-reads of each x tile hit L1), writes it and
+    accumulates ``part[split, t, :] += x'[t, s, c] @ phi_next[:, s*C + c]^T`` and ``ss``:
+    the layout ``_proj_partial`` writes, summed by ``_mappings_fwd``."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tmask = t < T
     t64 = t.to(tl.int64)
     K = N * C
-    i = tl.arange(0, N)
     mcol = tl.arange(0, MP)
     acc_p = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
@@ -276,14 +275,14 @@ def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi
         f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
         if HAS_BIAS:
             f += tl.load(fbias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        x3 = tl.load(x_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
-                     mask=m2[:, None, :], other=0.0).to(tl.float32)
         for s in tl.static_range(N):
-            w = tl.load(hres_ptr + t64[:, None] * (N * N) + s * N + i[None, :],
-                        mask=tmask[:, None], other=0.0)
             hp = tl.load(hpost_ptr + t64 * N + s, mask=tmask, other=0.0)
-            xo = (tl.sum(x3 * w[:, :, None], axis=1) + hp[:, None] * f).to(
-                out_ptr.dtype.element_ty)
+            acc = hp[:, None] * f
+            for j in tl.static_range(N):
+                w = tl.load(hres_ptr + t64 * (N * N) + s * N + j, mask=tmask, other=0.0)
+                xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2, other=0.0)
+                acc += w[:, None] * xj.to(tl.float32)
+            xo = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + t64[:, None] * K + s * C + c[None, :], xo, mask=m2)
             ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + s * C + c[:, None],
                          mask=cmask[:, None] & (mcol[None, :] < M), other=0.0)
@@ -625,7 +624,7 @@ class _CombineFn(torch.autograd.Function):
         if T > 0 and next_phi is not None:
             m, mp = 2 * n + n * n, _padded_m(n)
             bt, bc, warps, stages = TILES.combine_proj[n]
-            bc = min(bc, triton.next_power_of_2(C))
+            bc = max(16, min(bc, triton.next_power_of_2(C)))  # tl.dot needs K >= 16
             splits, per = _splits(triton.cdiv(T, bt), C, bc)
             part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
             ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
