@@ -5,17 +5,15 @@ For every (M = s*b, C), n = 4, bf16 activations, fp32 mapping parameters it time
 ``triton.testing.do_bench``) a chain of ``DEPTH`` sublayers as a model runs them: sublayer k
 does pre (mappings + aggregate) on the streams x_k, takes its own f_k as the sublayer
 output, and post (expand-combine with bias) gives x_{k+1}. Each sublayer has its own phi and
-f. Reported per sublayer (chain time / DEPTH):
+f. Reported per sublayer (chain time / DEPTH; a chain, so that each sublayer's input is the
+previous one's output as in a model):
 
 * ``fwd``       pre + post
 * ``fwd+bwd``   forward and backward (grads for x, every f, bias, phi, alpha, b)
 
-Ours runs as the layer runs it: each combine also computes the next sublayer's projection
-(``next_phi``) and the first sublayer of the chain computes its own, so the per-sublayer
-time includes 1/DEPTH of one standalone projection (a model with 2L sublayers pays 1/2L).
-The others have no such fusion; they run the same chain. Then, ours only, each op alone
-with its achieved GB/s and % of the measured device-to-device copy bandwidth, counting each
-input read once and each output written once (see ``Case.bytes``).
+Then, ours only, each op alone with its achieved GB/s and % of the measured device-to-device
+copy bandwidth, counting each input read once and each output written once
+(``Case.bytes``; "pre fwd" reads x twice by design: projection, then aggregate).
 
     python benchmarks/bench_mhc.py [--sizes 16384x4096 ...] [--no-compile] [--out table.md]
                                    [--tiles tiles.json]
@@ -33,12 +31,11 @@ import triton
 sys.path.insert(0, ".")
 from mhc_megatron.kernels import reference as ref  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
-from mhc_megatron.kernels.handoff import STATS  # noqa: E402
 
 N = 4
 ITERS = 20
 EPS = 1e-6
-DEPTH = 8  # sublayers per timed chain
+DEPTH = 2  # sublayers per timed chain (one transformer layer)
 
 
 def bench(fn, rep=200):
@@ -84,11 +81,10 @@ class Case:
     def bytes(self, elt=2):
         x = self.m * N * self.c * elt
         y = x / N
-        return {"pre fwd": x + y, "pre fwd, own projection": x + y, "post fwd": x + y + x,
-                "post fwd, no handoff": x + y + x, "sublayer bwd": 3 * x + 3 * y}
+        return {"pre fwd": x + y, "post fwd": x + y + x, "sublayer bwd": 3 * x + 3 * y}
 
 
-def chain(pre, post, hands_projection=False):
+def chain(pre, post):
     """fwd(inputs) running DEPTH sublayers; returns (the ys, the last streams)."""
     def fwd(inputs):
         x, alpha, bias, fb = inputs[:4]
@@ -96,8 +92,7 @@ def chain(pre, post, hands_projection=False):
         ys = []
         for k in range(DEPTH):
             y, _, h_post, h_res = pre(x, phis[k], alpha, bias, ITERS, EPS)
-            nxt = {"next_phi": phis[k + 1]} if hands_projection and k + 1 < DEPTH else {}
-            x = post(x, fs[k], fb, h_res, h_post, **nxt)
+            x = post(x, fs[k], fb, h_res, h_post)
             ys.append(y)
         return ys, x
     return fwd
@@ -140,10 +135,9 @@ def time_impl(fwd, cs, is_te=False):
 def ours_ops(cs):
     """Closures running one of our ops alone (keys of ``Case.bytes``)."""
     x, alpha, bias, fb = cs.x, cs.alpha, cs.bias, cs.fb
-    (phi, phi2), f = cs.phis[:2], cs.fs[0]
+    phi, f = cs.phis[0], cs.fs[0]
     with torch.no_grad():
         _, _, hq, hr = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS)
-        x2 = triton_mhc.combine(x, f, fb, hr, hq, next_phi=phi2)  # x2 carries an offer
 
     def no_grad(fn, *args, **kwargs):
         def run():
@@ -156,10 +150,8 @@ def ours_ops(cs):
     y, _, hql, hrl = triton_mhc.pre(xl, phil, alphal, biasl, ITERS, EPS)
     out = triton_mhc.combine(xl, fl, fbl, hrl, hql)  # combine's dx handed to pre's kernel
     return {
-        "pre fwd": no_grad(triton_mhc.pre, x2, phi2, alpha, bias, ITERS, EPS),
-        "pre fwd, own projection": no_grad(triton_mhc.pre, x, phi, alpha, bias, ITERS, EPS),
-        "post fwd": no_grad(triton_mhc.combine, x, f, fb, hr, hq, next_phi=phi2),
-        "post fwd, no handoff": no_grad(triton_mhc.combine, x, f, fb, hr, hq),
+        "pre fwd": no_grad(triton_mhc.pre, x, phi, alpha, bias, ITERS, EPS),
+        "post fwd": no_grad(triton_mhc.combine, x, f, fb, hr, hq),
         # autograd.grad, not backward: no accumulation into .grad inside the timed region
         "sublayer bwd": lambda: torch.autograd.grad([y, out], leaves, [cs.gy, cs.gx],
                                                     retain_graph=True),
@@ -204,7 +196,7 @@ def main():
 
         te = load_te_mhc(args.te_root)
     bw = copy_bandwidth()
-    impls = {"ours": (chain(triton_mhc.pre, triton_mhc.combine, hands_projection=True), False),
+    impls = {"ours": (chain(triton_mhc.pre, triton_mhc.combine), False),
              "reference": (chain(ref.pre, ref.expand_combine), False)}
     if not args.no_compile:
         impls["compiled ref"] = (chain(torch.compile(ref.pre, dynamic=True),
@@ -223,7 +215,6 @@ def main():
         m, c = (int(v) for v in size.split("x"))
         cs = Case(m, c)
         rows = {}
-        taken = STATS["projections_taken"]
         for name, (fwd, is_te) in impls.items():
             try:
                 rows[name] = time_impl(fwd, cs, is_te)
@@ -237,8 +228,6 @@ def main():
                 continue
             lines.append(f"| {m} | {c} | {name} | {r['fwd']:.3f} | {r['fwd+bwd']:.3f} | "
                          f"{r['fwd'] / ours['fwd']:.2f} | {r['fwd+bwd'] / ours['fwd+bwd']:.2f} |")
-        if STATS["projections_taken"] == taken:
-            raise RuntimeError("our chain took no projection handoff: the fused path was not timed")
         parts = time_parts_ours(cs)
         for k, ms in parts.items():
             gbs = cs.bytes()[k] / ms / 1e6

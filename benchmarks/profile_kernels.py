@@ -51,13 +51,13 @@ def main():
         apply_tiles(args.tiles)
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
-    impls = {"ours": (chain(triton_mhc.pre, triton_mhc.combine, hands_projection=True), False)}
+    impls = {"ours": (chain(triton_mhc.pre, triton_mhc.combine), False)}
     if not args.no_te:
         from te_peer import load_te_mhc
 
         impls["TE 2.20.2"] = (te_chain(load_te_mhc(args.te_root)), True)
     print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; CUDA kernel ms per sublayer "
-          f"(fwd+bwd of chains of {DEPTH}; ours: {DEPTH - 1} of {DEPTH} projections in combine)")
+          f"(fwd+bwd of chains of {DEPTH})")
     for name, (fwd, is_te) in impls.items():
         rows = profile_step(fwd, cs, is_te, args.steps)
         print(f"\n{name}: total {sum(v for _, v in rows):.3f} ms")

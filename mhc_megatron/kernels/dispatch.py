@@ -5,10 +5,7 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 
 * ``pre(x, phi, alpha, bias, iterations, eps) -> (y, h_pre, h_post, h_res)``: the dynamic
   mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
-* ``combine(x, f, f_bias, h_res, h_post[, next_phi]) -> x'``: expand-combine; a backend
-  with ``fuses_next_projection`` also takes ``next_phi``, the phi of the sublayer that reads
-  ``x'`` next, and computes that sublayer's projection of ``x'`` on the way (its ``pre``
-  then skips one read of ``x'``).
+* ``combine(x, f, f_bias, h_res, h_post) -> x'``: expand-combine.
 
 ``select_ops(backend, x)``: "reference" always runs PyTorch; "triton" runs the fused
 kernels or raises a clear error saying why they cannot run for ``x``; "auto" runs Triton
@@ -40,7 +37,6 @@ class MHCOps:
     name: str
     pre: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     combine: Callable[..., Tensor]
-    fuses_next_projection: bool = False
 
 
 REFERENCE_OPS = MHCOps(name="reference", pre=reference.pre, combine=reference.expand_combine)
@@ -54,8 +50,7 @@ def _load_triton_ops() -> MHCOps:
     if _triton_ops is None:
         from mhc_megatron.kernels import triton_mhc
 
-        _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
-                             fuses_next_projection=True)
+        _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine)
     return _triton_ops
 
 

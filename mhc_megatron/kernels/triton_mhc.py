@@ -13,9 +13,7 @@ partials that are summed in a fixed order, so results are bitwise identical run 
   squares, on a (token block x K split) grid), ``_mappings_fwd`` (per token: sum of the
   partials, RMS, sigmoids, log-domain Sinkhorn in registers), ``_aggregate_fwd``
   (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid).
-* ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; ``_combine_proj_fwd``: the same
-  plus, given the next sublayer's ``phi``, that sublayer's projection partials of the stored
-  ``x'`` (what ``_proj_partial`` would compute), so the next "pre" reads ``x'`` once.
+* ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``.
 * ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
@@ -25,8 +23,7 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 
 Across ops (:mod:`mhc_megatron.kernels.handoff`): the gradient of x is written once per
 sublayer (x feeds "pre" and "combine"; when combine's mappings come from our pre on the same
-x, pre's dx kernel adds combine's dx: no autograd add of two x-sized tensors), and in
-the forward a combine told the next sublayer's ``phi`` hands its projection to that pre.
+x, pre's dx kernel adds combine's dx: no autograd add of two x-sized tensors).
 
 Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
 split into bf16 hi + lo halves (~16 mantissa bits of phi); fp16 x widened and TF32 (exact for
@@ -43,12 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc_megatron.kernels.handoff import (
-    DxLink,
-    ProjectionPartials,
-    offer_projection,
-    take_projection,
-)
+from mhc_megatron.kernels.handoff import DxLink
 
 SUPPORTED_STREAMS = (1, 2, 4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -113,36 +105,14 @@ def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP
 
 # ------------------------------------------------------------------------------ forward
 @triton.jit
-def _proj_accumulate(xt, ph, acc, ss, PREC: tl.constexpr, SPLIT_PHI: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
-    """acc += xt @ ph and ss += row sums of xt^2 for a tile ``xt [BT, BK]`` of activations
-    (their storage dtype) and ``ph [BK, MP]`` of phi^T (any float dtype).
-
-    SPLIT_PHI (bf16 x): x feeds the tensor cores as it is and phi as two bf16 halves
-    (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
-    the dot runs at ``PREC``."""
-    xf = xt.to(tl.float32)
-    ss += tl.sum(xf * xf, axis=1)
-    ph = ph.to(tl.float32)
-    if SPLIT_PHI:
-        ph_hi = ph.to(xt.dtype)
-        ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
-        if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
-            acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
-            acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, ph_hi, acc)
-            acc = tl.dot(xt, ph_lo, acc)
-    else:
-        acc = tl.dot(xf, ph, acc, input_precision=PREC)
-    return acc, ss
-
-
-@triton.jit
 def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
                   M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
-    """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there."""
+    """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there.
+
+    SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
+    (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
+    the dot runs at ``PREC``."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     split = tl.program_id(1)
     tmask = t < T
@@ -156,9 +126,21 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
         kmask = k < K
         xt = tl.load(x_ptr + t64[:, None] * K + k[None, :],
                      mask=tmask[:, None] & kmask[None, :], other=0.0)
+        xf = xt.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
         ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
-                     mask=kmask[:, None] & (mcol[None, :] < M), other=0.0)
-        acc, ss = _proj_accumulate(xt, ph, acc, ss, PREC, SPLIT_PHI, INTERPRETED)
+                     mask=kmask[:, None] & (mcol[None, :] < M), other=0.0).to(tl.float32)
+        if SPLIT_PHI:
+            ph_hi = ph.to(xt.dtype)
+            ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
+            if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
+                acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, ph_hi, acc)
+                acc = tl.dot(xt, ph_lo, acc)
+        else:
+            acc = tl.dot(xf, ph, acc, input_precision=PREC)
     row = split.to(tl.int64) * T + t64
     tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
     tl.store(ss_ptr + row, ss, mask=tmask)
@@ -212,11 +194,13 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
 
 
 @triton.jit
-def _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C,
-                  HAS_BIAS: tl.constexpr, N: tl.constexpr):
-    """``x'[BT, N, BC] = H_res x + H_post (f + bias)`` in fp32 for tokens ``t64`` and
-    channels ``c`` (0 outside ``tmask`` / ``c < C``), and the [BT, BC] mask."""
+def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    tmask = t < T
     m2 = tmask[:, None] & (c < C)[None, :]
+    t64 = t.to(tl.int64)
     K = N * C
     i = tl.arange(0, N)
     f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -229,67 +213,8 @@ def _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C
         h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
                         mask=tmask[:, None], other=0.0)
         acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
-    return acc, m2
-
-
-@triton.jit
-def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
-                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """x' on a (token block, channel block) grid."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    i = tl.arange(0, N)
-    acc, m2 = _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, C,
-                            HAS_BIAS, N)
-    tl.store(out_ptr + t64[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
+    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
-
-
-@triton.jit
-def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi_ptr, part_ptr,
-                      ss_ptr, T, C, C_PER_SPLIT, HAS_BIAS: tl.constexpr, N: tl.constexpr,
-                      M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                      PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x' and, from the stored (rounded) x', the next sublayer's projection partials.
-
-    Program (token block, channel split) walks its channels; per channel block and output
-    stream ``s`` it forms ``x'[t, s, c] = sum_j H_res[t, s, j] x[t, j, c] + H_post[t, s]
-    (f + bias)[t, c]`` from 2-D tiles (the N re-reads of each x tile hit L1), writes it and
-    accumulates ``part[split, t, :] += x'[t, s, c] @ phi_next[:, s*C + c]^T`` and ``ss``:
-    the layout ``_proj_partial`` writes, summed by ``_mappings_fwd``."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    split = tl.program_id(1)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    K = N * C
-    mcol = tl.arange(0, MP)
-    acc_p = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    c_start = split * C_PER_SPLIT
-    for c0 in range(c_start, c_start + C_PER_SPLIT, BC):
-        c = c0 + tl.arange(0, BC)
-        cmask = c < C
-        m2 = tmask[:, None] & cmask[None, :]
-        f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            f += tl.load(fbias_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        for s in tl.static_range(N):
-            hp = tl.load(hpost_ptr + t64 * N + s, mask=tmask, other=0.0)
-            acc = hp[:, None] * f
-            for j in tl.static_range(N):
-                w = tl.load(hres_ptr + t64 * (N * N) + s * N + j, mask=tmask, other=0.0)
-                xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2, other=0.0)
-                acc += w[:, None] * xj.to(tl.float32)
-            xo = acc.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + t64[:, None] * K + s * C + c[None, :], xo, mask=m2)
-            ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + s * C + c[:, None],
-                         mask=cmask[:, None] & (mcol[None, :] < M), other=0.0)
-            acc_p, ss = _proj_accumulate(xo, ph, acc_p, ss, PREC, SPLIT_PHI, INTERPRETED)
-    row = split.to(tl.int64) * T + t64
-    tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc_p, mask=tmask[:, None])
-    tl.store(ss_ptr + row, ss, mask=tmask)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -297,7 +222,6 @@ def _combine_proj_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, phi
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                  dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
                  HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """dx = H_res^T g, df, dH_post, dH_res for a token block, looping over C."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -487,8 +411,6 @@ class KernelTiles:
     map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
-    combine_proj: dict = field(default_factory=lambda: {  # n: (tokens, channels/step, warps,
-        1: (64, 128, 4, 2), 2: (64, 64, 4, 2), 4: (64, 64, 8, 2), 8: (32, 32, 8, 2)})  # stages)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
     dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
 
@@ -519,7 +441,7 @@ def _check(x: torch.Tensor, n: int) -> None:
 
 class _PreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps, link, offered):
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link):
         T, n, C = x.shape
         _check(x, n)
         x = x.contiguous()
@@ -533,12 +455,18 @@ class _PreFn(torch.autograd.Function):
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
         if T > 0:
-            if offered is None:
-                offered = _project(x, phi)
+            bt, bk, warps, stages = TILES.proj[n]
+            splits, per = _splits(triton.cdiv(T, bt), K, bk)
+            part = torch.empty(splits, T, mp, device=dev, dtype=f32)
+            part_ss = torch.empty(splits, T, device=dev, dtype=f32)
+            _proj_partial[(triton.cdiv(T, bt), splits)](
+                x, phi, part, part_ss, T, K, per, M=m, MP=mp, BT=bt, BK=bk,
+                PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
+                INTERPRETED=_INTERPRETED,
+                num_warps=warps, num_stages=stages)
             _mappings_fwd[(triton.cdiv(T, TILES.map_tokens),)](
-                offered.part, offered.ss, alpha, bias, h_pre, h_post, h_res, ht, rstd, T, K,
-                offered.splits, float(eps), int(iters), N=n, MP=mp, BT=TILES.map_tokens,
-                num_warps=4)
+                part, part_ss, alpha, bias, h_pre, h_post, h_res, ht, rstd, T, K, splits,
+                float(eps), int(iters), N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
             bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
             _aggregate_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
                 x, h_pre, y, T, C, N=n, BT=bt, BC=bc, num_warps=warps)
@@ -593,52 +521,23 @@ class _PreFn(torch.autograd.Function):
         groups = (slice(0, n), slice(n, 2 * n), slice(2 * n, m))
         dalpha = torch.stack([(dz[:, g] * ht[:, g]).sum() for g in groups]).to(alpha.dtype)
         dbias = dz[:, :m].sum(0).to(bias.dtype)
-        return dx, dphi, dalpha, dbias, None, None, None, None
-
-
-def _project(x: torch.Tensor, phi: torch.Tensor) -> ProjectionPartials:
-    """Projection partials of ``x [T, n, C]`` (T > 0) with ``phi`` by ``_proj_partial``."""
-    T, n, C = x.shape
-    m, mp, K = 2 * n + n * n, _padded_m(n), n * C
-    bt, bk, warps, stages = TILES.proj[n]
-    splits, per = _splits(triton.cdiv(T, bt), K, bk)
-    part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
-    ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
-    _proj_partial[(triton.cdiv(T, bt), splits)](
-        x, phi, part, ss, T, K, per, M=m, MP=mp, BT=bt, BK=bk, PREC=_dot_precision(x.dtype),
-        SPLIT_PHI=_projection_splits_phi(x.dtype), INTERPRETED=_INTERPRETED,
-        num_warps=warps, num_stages=stages)
-    return ProjectionPartials(part, ss, splits)
+        return dx, dphi, dalpha, dbias, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, f, f_bias, h_res, h_post, link, next_phi, offer_box):
+    def forward(ctx, x, f, f_bias, h_res, h_post, link):
         T, n, C = x.shape
         _check(x, n)
         x, f = x.contiguous(), f.contiguous()
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = h_res.float().contiguous(), h_post.float().contiguous()
         out = torch.empty_like(x)
-        fb = f_bias if f_bias is not None else f
-        if T > 0 and next_phi is not None:
-            m, mp = 2 * n + n * n, _padded_m(n)
-            bt, bc, warps, stages = TILES.combine_proj[n]
-            bc = max(16, min(bc, triton.next_power_of_2(C)))  # tl.dot needs K >= 16
-            splits, per = _splits(triton.cdiv(T, bt), C, bc)
-            part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
-            ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
-            _combine_proj_fwd[(triton.cdiv(T, bt), splits)](
-                x, f, fb, h_res, h_post, out, next_phi.contiguous(), part, ss, T, C, per,
-                HAS_BIAS=f_bias is not None, N=n, M=m, MP=mp, BT=bt, BC=bc,
-                PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
-                INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
-            offer_box.append(ProjectionPartials(part, ss, splits))
-        elif T > 0:
-            bt, bc, warps = TILES.combine_fwd
-            bc = min(bc, triton.next_power_of_2(C))
+        bt, bc, warps = TILES.combine_fwd
+        bc = min(bc, triton.next_power_of_2(C))
+        if T > 0:
             _combine_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
-                x, f, fb, h_res, h_post, out, T, C,
+                x, f, f_bias if f_bias is not None else f, h_res, h_post, out, T, C,
                 HAS_BIAS=f_bias is not None, N=n, BT=bt, BC=bc, num_warps=warps)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
         ctx.link = link
@@ -656,8 +555,8 @@ class _CombineFn(torch.autograd.Function):
         bt, bc, warps = TILES.combine_bwd
         if T > 0:
             _combine_bwd[(triton.cdiv(T, bt),)](
-                g, x, f, f_bias if f_bias is not None else f, h_res, h_post,
-                dx, df, dh_res, dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=bt,
+                g, x, f, f_bias if f_bias is not None else f, h_res, h_post, dx, df, dh_res,
+                dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=bt,
                 BC=min(bc, triton.next_power_of_2(C)), num_warps=warps)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
@@ -667,41 +566,24 @@ class _CombineFn(torch.autograd.Function):
         if ctx.link is not None:
             ctx.link.pending, dx = dx, None  # pre's backward adds it (see DxLink)
         res_dtype, post_dtype = ctx.mapping_dtypes
-        return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None, None, None
+        return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None
 
 
 def pre(x, phi, alpha, bias, sinkhorn_iterations, eps):
-    """Fused mappings + aggregate: ``(y [T,C], h_pre [T,n], h_post [T,n], h_res [T,n,n])``.
-
-    If the combine that wrote ``x`` was given this ``phi`` as ``next_phi``, its projection
-    partials are used and ``x`` is read once (by the aggregate) instead of twice."""
+    """Fused mappings + aggregate: ``(y [T,C], h_pre [T,n], h_post [T,n], h_res [T,n,n])``."""
     link = DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
-    offered = take_projection(x, phi) if x.is_contiguous() else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, offered)
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs
 
 
-def combine(x, f, f_bias, h_res, h_post, next_phi=None):
+def combine(x, f, f_bias, h_res, h_post):
     """Fused expand-combine ``H_res x + H_post (f + f_bias)`` -> ``[T, n, C]`` in ``x.dtype``.
 
-    If ``h_res`` comes from :func:`pre` on this same ``x``, the x-gradient of both is formed
-    inside pre's backward kernel instead of by autograd (see :class:`DxLink`).
-    ``next_phi [2n + n^2, n*C]``: the phi of the sublayer that reads ``x'`` next; its
-    projection of ``x'`` is computed here and offered to that sublayer's :func:`pre`
-    (forward only: the gradient path is unchanged, pre's backward covers ``phi``)."""
-    T, n, C = x.shape
-    if next_phi is not None and tuple(next_phi.shape) != (2 * n + n * n, n * C):
-        raise ValueError(
-            f"combine: next_phi has shape {tuple(next_phi.shape)}, expected the next "
-            f"sublayer's phi [2n + n^2, n*C] = [{2 * n + n * n}, {n * C}] for x {tuple(x.shape)}."
-            " Fix: pass the phi of the hyper-connection that reads this output, or None.")
+    If ``h_res`` comes from :func:`pre` on this same ``x``, the two ``dx`` are summed inside
+    pre's backward kernel instead of by autograd (see :class:`DxLink`)."""
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
         link = None
-    box: list[ProjectionPartials] = []
-    out = _CombineFn.apply(x, f, f_bias, h_res, h_post, link, next_phi, box)
-    if box:
-        offer_projection(out, next_phi, box[0])
-    return out
+    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from mhc_megatron.kernels import select_ops
 from mhc_megatron.kernels.reference import num_mapping_coefficients
@@ -38,35 +36,6 @@ def initial_mapping_bias(n: int) -> Tensor:
     return torch.cat([pre, post, res.flatten()])
 
 
-class _SuccessorTracker:
-    """Learns which hyper-connection reads the streams another one's combine wrote.
-
-    The combine of sublayer k can compute sublayer k+1's projection while its output is in
-    registers (``next_phi``), if it knows sublayer k+1. Megatron builds and runs layers
-    without telling a sublayer its successor, so it is observed: each combine notes its
-    output here, and the next pre whose input is that same storage (the next op in forward
-    order) becomes the combine's successor, used from the next forward pass on. A wrong or
-    stale successor costs only the unused partials: the receiving pre checks the ``phi``
-    and the tensor it is offered (:mod:`mhc_megatron.kernels.handoff`)."""
-
-    def __init__(self):
-        self._last: tuple[weakref.ref, StorageWeakRef, int] | None = None
-
-    def wrote(self, module: "HyperConnectionModule", out: Tensor) -> None:
-        self._last = (weakref.ref(module), StorageWeakRef(out.untyped_storage()), out.data_ptr())
-
-    def reads(self, module: "HyperConnectionModule", x: Tensor) -> None:
-        last, self._last = self._last, None
-        if last is None or x.data_ptr() != last[2] or last[1].expired():
-            return
-        producer = last[0]()
-        if producer is not None and StorageWeakRef(x.untyped_storage()) == last[1]:
-            producer._successor = weakref.ref(module)
-
-
-_SUCCESSORS = _SuccessorTracker()
-
-
 @dataclass
 class StreamMappings:
     """Per-token mappings of one sublayer, fp32, tokens flattened (``T = s*b``)."""
@@ -82,9 +51,7 @@ class HyperConnectionModule(MegatronModule):
     Streams are ``[s, b, n*C]`` stream-major (stream ``i`` is ``x[..., i*C:(i+1)*C]``).
     ``pre`` computes the mappings and the sublayer input ``y = sum_i H_pre[i] x_i``
     (``[s, b, C]``); ``combine`` returns ``x' = H_res x + H_post^T dropout(f + bias)``
-    (``[s, b, n*C]``) and, with the fused backend, also the projection of ``x'`` for the
-    hyper-connection that reads it next (learned from the forward order, see
-    :class:`_SuccessorTracker`), which that module's ``pre`` then does not recompute. The math is in :mod:`mhc_megatron.kernels.reference`; which
+    (``[s, b, n*C]``). The math is in :mod:`mhc_megatron.kernels.reference`; which
     implementation runs is chosen per call from ``config.mhc_kernel_backend``. Both ops go
     through :func:`~mhc_megatron.recompute.run_recorded`, so that with ``mhc_recompute``
     their outputs are recomputed in backward instead of stored.
@@ -113,7 +80,6 @@ class HyperConnectionModule(MegatronModule):
             self.reset_parameters()
         for p in (self.phi, self.alpha, self.bias):
             p.sequence_parallel = config.sequence_parallel
-        self._successor: weakref.ref | None = None  # see _SuccessorTracker
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -139,7 +105,6 @@ class HyperConnectionModule(MegatronModule):
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings)."""
         x = self._flat_streams(streams)
-        _SUCCESSORS.reads(self, x)
         y, h_pre, h_post, h_res = run_recorded(
             self._ops(x).pre, x, self.phi, self.alpha, self.bias,
             self.config.mhc_sinkhorn_iterations, self.config.mhc_rms_eps,
@@ -168,17 +133,8 @@ class HyperConnectionModule(MegatronModule):
         if training and dropout_prob > 0.0:
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
-        ops = self._ops(x)
-        kwargs = {}
-        successor = self._successor() if self._successor is not None else None
-        if (successor is not None and ops.fuses_next_projection and successor.n == self.n
-                and successor.hidden_size == self.hidden_size
-                and successor.config.mhc_kernel_backend == self.config.mhc_kernel_backend):
-            kwargs["next_phi"] = successor.phi
         out = run_recorded(
-            ops.combine,
+            self._ops(x).combine,
             x, f.reshape(-1, self.hidden_size), f_bias, mappings.h_res, mappings.h_post,
-            **kwargs,
         )
-        _SUCCESSORS.wrote(self, out)
         return out.view(streams.shape)
