@@ -36,7 +36,9 @@ class DxLink:
         self.geometry = _key(x)
         self.version = x._version
         self.claimed = False
-        self.pending: torch.Tensor | None = None  # combine's dx
+        # ("dx", combine's dx) or ("g", (combine's upstream gradient, h_res)) for a pre
+        # kernel that forms combine's dx itself
+        self.pending: tuple | None = None
 
     def claim(self, x: torch.Tensor) -> bool:
         ok = (not self.claimed and x.requires_grad and self.root() is _root(x)
