@@ -36,9 +36,7 @@ class DxLink:
         self.geometry = _key(x)
         self.version = x._version
         self.claimed = False
-        # ("dx", combine's dx) or ("g", (combine's upstream gradient, h_res)) for a pre
-        # kernel that forms combine's dx itself
-        self.pending: tuple | None = None
+        self.pending: torch.Tensor | None = None  # combine's dx
 
     def claim(self, x: torch.Tensor) -> bool:
         ok = (not self.claimed and x.requires_grad and self.root() is _root(x)

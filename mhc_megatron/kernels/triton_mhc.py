@@ -220,10 +220,8 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
-                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C, HAS_BIAS: tl.constexpr,
-                 HAS_DX: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """df, dH_post, dH_res (and dx = H_res^T g unless pre's dx kernel forms it: HAS_DX=False)
-    for a token block, looping over C."""
+                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -248,12 +246,11 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                          other=0.0).to(tl.float32)
             col = tl.sum(g3 * xj[:, None, :], axis=2)  # dH_res[:, :, j] contribution
             d_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
-            if HAS_DX:
-                h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
-                                mask=tmask[:, None], other=0.0)
-                dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
-                tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
-                         dxj.to(dx_ptr.dtype.element_ty), mask=m2)
+            h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
+                            mask=tmask[:, None], other=0.0)
+            dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+            tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
+                     dxj.to(dx_ptr.dtype.element_ty), mask=m2)
     ij = i[:, None] * N + i[None, :]
     tl.store(dhpost_ptr + t64[:, None] * N + i[None, :], d_post, mask=tmask[:, None])
     tl.store(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], d_res,
@@ -397,54 +394,6 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
              mask=cmask[None, :])
 
 
-@triton.jit
-def _pre_dx_dphi_streams(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr,
-                         dx_ptr, dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr,
-                         N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                         BC: tl.constexpr, PREC: tl.constexpr):
-    """``_pre_dx_dphi`` with all N streams of a channel block in one program, which lets it
-    form combine's dx itself: with HAS_G it adds ``sum_i h_res[t, i, s] g[t, i, c]`` (g: the
-    upstream gradient of combine), so combine writes no dx.
-
-    The tile is 2-D, ``[BT, N*BC]``, column ``kk`` = (stream ``kk // BC``, channel
-    ``c0 + kk % BC``); per-token factors and dy / g are gathered onto it (repeats hit L1),
-    so every x, dy and g byte comes from memory once."""
-    kk = tl.arange(0, N * BC)
-    s_of = kk // BC
-    c = tl.program_id(0) * BC + kk % BC
-    split = tl.program_id(1)
-    cmask = c < C
-    K = N * C
-    k = s_of * C + c
-    mcol = tl.arange(0, MP)
-    ph = tl.load(phi_ptr + mcol[:, None].to(tl.int64) * K + k[None, :],
-                 mask=(mcol[:, None] < M) & cmask[None, :], other=0.0).to(tl.float32)
-    dphi = tl.zeros([MP, N * BC], dtype=tl.float32)
-    t_start = split * TOKENS_PER_SPLIT
-    for t0 in range(t_start, t_start + TOKENS_PER_SPLIT, BT):
-        t = t0 + tl.arange(0, BT)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        m2 = tmask[:, None] & cmask[None, :]
-        dp = tl.load(dp_ptr + t64[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
-        coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
-        h_s = tl.load(hpre_ptr + t64[:, None] * N + s_of[None, :], mask=tmask[:, None], other=0.0)
-        dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        offs = t64[:, None] * K + k[None, :]
-        xs = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s * dy
-        if HAS_G:
-            for i in tl.static_range(N):
-                w = tl.load(hres_ptr + t64[:, None] * (N * N) + i * N + s_of[None, :],
-                            mask=tmask[:, None], other=0.0)
-                gi = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2, other=0.0)
-                dxs += w * gi.to(tl.float32)
-        tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
-        dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
-    tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
-             mask=cmask[None, :])
-
-
 # ----------------------------------------------------------------------- autograd glue
 @dataclass
 class KernelTiles:
@@ -464,7 +413,6 @@ class KernelTiles:
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
     dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
-    dx_streams: tuple | None = None         # (tokens, channels, warps): all-streams dx kernel
 
 
 TILES = KernelTiles()
@@ -534,14 +482,9 @@ class _PreFn(torch.autograd.Function):
         T, n, C = x.shape
         m, mp, K = 2 * n + n * n, _padded_m(n), n * C
         dev, f32 = x.device, torch.float32
-        dx_combine = g_combine = None
-        if ctx.link is not None and ctx.link.pending is not None:
-            kind, value = ctx.link.pending
-            ctx.link.pending = None
-            if kind == "dx":
-                dx_combine = value
-            else:
-                g_combine = value
+        dx_combine = None
+        if ctx.link is not None:
+            dx_combine, ctx.link.pending = ctx.link.pending, None
         dy = torch.zeros(T, C, device=dev, dtype=x.dtype) if dy is None else dy.contiguous()
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else dh_post.float().contiguous()
         dh_res = (torch.zeros(T, n, n, device=dev) if dh_res is None
@@ -551,10 +494,9 @@ class _PreFn(torch.autograd.Function):
         dp = torch.zeros(T, mp, device=dev, dtype=f32)
         coef = torch.empty(T, device=dev, dtype=f32)
         prec = _dot_precision(x.dtype)
-        streams = TILES.dx_streams is not None
-        bt_dx, bc_dx, warps_dx = TILES.dx_streams if streams else TILES.dx
+        bt_dx, bc_dx, warps_dx = TILES.dx
         bc_dx = min(bc_dx, max(16, triton.next_power_of_2(C)))
-        dx_blocks = (1 if streams else n) * triton.cdiv(C, bc_dx)
+        dx_blocks = n * triton.cdiv(C, bc_dx)
         dx_splits, dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         dphi_part = torch.zeros(dx_splits, mp, K, device=dev, dtype=f32)
         if T > 0:
@@ -569,21 +511,12 @@ class _PreFn(torch.autograd.Function):
                 dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, hist, T, K, ctx.iters,
                 HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
             del hist
-            if streams:
-                g, g_res = g_combine if g_combine is not None else (x, h_pre)
-                _pre_dx_dphi_streams[(dx_blocks, dx_splits)](
-                    x, dy, h_pre, dp, coef, phi, g, g_res, dx, dphi_part, T, C, dx_per,
-                    HAS_G=g_combine is not None, N=n, M=m, MP=mp, BT=bt_dx, BC=bc_dx,
-                    PREC=prec, num_warps=warps_dx)
-            else:
-                _pre_dx_dphi[(dx_blocks, dx_splits)](
-                    x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x,
-                    dx, dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m,
-                    MP=mp, BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
+            _pre_dx_dphi[(dx_blocks, dx_splits)](
+                x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x, dx,
+                dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m, MP=mp,
+                BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
         elif dx_combine is not None:
             dx = dx_combine
-        elif g_combine is not None:
-            dx = torch.zeros_like(x)
         dphi = dphi_part.sum(0)[:m].to(phi.dtype)
         groups = (slice(0, n), slice(n, 2 * n), slice(2 * n, m))
         dalpha = torch.stack([(dz[:, g] * ht[:, g]).sum() for g in groups]).to(alpha.dtype)
@@ -615,27 +548,23 @@ class _CombineFn(torch.autograd.Function):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
         T, n, C = x.shape
         g = g.contiguous()
-        hand_g = ctx.link is not None and TILES.dx_streams is not None  # pre forms combine's dx
-        dx = None if hand_g else torch.empty_like(x)
+        dx = torch.empty_like(x)
         df = torch.empty_like(f)
         dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
         bt, bc, warps = TILES.combine_bwd
         if T > 0:
             _combine_bwd[(triton.cdiv(T, bt),)](
-                g, x, f, f_bias if f_bias is not None else f, h_res, h_post,
-                g if hand_g else dx, df, dh_res, dh_post, T, C, HAS_BIAS=f_bias is not None,
-                HAS_DX=not hand_g, N=n, BT=bt,
+                g, x, f, f_bias if f_bias is not None else f, h_res, h_post, dx, df, dh_res,
+                dh_post, T, C, HAS_BIAS=f_bias is not None, N=n, BT=bt,
                 BC=min(bc, triton.next_power_of_2(C)), num_warps=warps)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
             dbias = df.sum(0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
             dbias = dbias.to(f_bias.dtype)
-        if hand_g:
-            ctx.link.pending = ("g", (g, h_res))
-        elif ctx.link is not None:
-            ctx.link.pending, dx = ("dx", dx), None  # pre's backward adds it (see DxLink)
+        if ctx.link is not None:
+            ctx.link.pending, dx = dx, None  # pre's backward adds it (see DxLink)
         res_dtype, post_dtype = ctx.mapping_dtypes
         return dx, df, dbias, dh_res.to(res_dtype), dh_post.to(post_dtype), None
 
