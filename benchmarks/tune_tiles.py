@@ -33,7 +33,6 @@ GROUPS = [  # (TILES field, op it drives, candidates)
     ("sweep", "pre fwd", [(8, 1024, 8), (16, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4)]),
     ("combine_fwd", "post fwd", [(2, 512, 4), (4, 256, 4), (8, 128, 4), (4, 128, 4)]),
     ("map_tokens", "sublayer bwd", [16, 32, 64]),
-    ("dphi_split_bf16", "sublayer bwd", [False, True]),
     ("dx", "sublayer bwd", [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 128, 4), (64, 128, 8),
                             (16, 64, 4), (64, 64, 8), (128, 32, 4)]),
     ("combine_bwd", "sublayer bwd", [(8, 128, 4), (4, 128, 4), (16, 128, 4), (8, 256, 8),

@@ -2,8 +2,7 @@
 # Kernel work on the lent GPU machine in one call: (optionally) the tile tuner, the benchmark
 # with the tuned tiles, the per-kernel profile, then the Triton and recompute tests on the GPU. Results go to $OUT (default out/device).
 #   carry [".whl", ".te"];  TUNE=1 runs benchmarks/tune_tiles.py first (TUNE_ARGS: its options);
-#   SIZES="16384x4096 ..." (default 16384x4096); BENCH_ARGS: extra bench_mhc.py arguments;
-#   TESTS=0 skips the tests.
+#   SIZES="16384x4096 ..." (default 16384x4096); BENCH_ARGS: extra bench_mhc.py arguments.
 set -uo pipefail
 OUT="${OUT:-out/device}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -19,10 +18,7 @@ python3 benchmarks/bench_mhc.py --sizes ${SIZES:-16384x4096} "${tiles[@]}" --out
   ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 rc_bench=${PIPESTATUS[0]}
 python3 benchmarks/profile_kernels.py "${tiles[@]}" 2>&1 | tee "$OUT/profile.log"
-rc_tests=skipped
-if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest tests/test_triton_kernels.py tests/test_recompute.py -q -p no:cacheprovider \
-    2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
-  rc_tests=${PIPESTATUS[0]}
-fi
+python3 -m pytest tests/test_triton_kernels.py tests/test_recompute.py -q -p no:cacheprovider \
+  2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
+rc_tests=${PIPESTATUS[0]}
 echo "device_kernels: tests rc=$rc_tests bench rc=$rc_bench"

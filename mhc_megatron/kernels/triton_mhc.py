@@ -355,17 +355,14 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
                  T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 PREC: tl.constexpr, SPLIT_DP: tl.constexpr, INTERPRETED: tl.constexpr):
+                 PREC: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
     Program (stream s, channel block, token split) walks its tokens:
     ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
     (+ acc[t, s, c], the combine's dx, when HAS_ACC)`` and accumulates
     ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
-    fastest in the launch order, so the N programs sharing a dy tile run together (L2).
-    SPLIT_DP (bf16 x): the dphi dot takes x as it is and dP as bf16 hi + lo halves (~16
-    mantissa bits, like the projection's phi), two bf16 tensor-core dots instead of a TF32
-    dot on x widened to fp32."""
+    fastest in the launch order, so the N programs sharing a dy tile run together (L2)."""
     s = tl.program_id(0) % N
     c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
     split = tl.program_id(1)
@@ -387,24 +384,12 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
         h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
         dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
         offs = t64[:, None] * K + k[None, :]
-        x_raw = tl.load(x_ptr + offs, mask=m2, other=0.0)
-        xs = x_raw.to(tl.float32)
+        xs = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
         dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
         if HAS_ACC:
             dxs += tl.load(acc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
-        if SPLIT_DP:
-            dpt = tl.trans(dp)
-            dp_hi = dpt.to(x_raw.dtype)
-            dp_lo = (dpt - dp_hi.to(tl.float32)).to(x_raw.dtype)
-            if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
-                dphi = tl.dot(dp_hi.to(tl.float32), xs, dphi, input_precision="ieee")
-                dphi = tl.dot(dp_lo.to(tl.float32), xs, dphi, input_precision="ieee")
-            else:
-                dphi = tl.dot(dp_hi, x_raw, dphi)
-                dphi = tl.dot(dp_lo, x_raw, dphi)
-        else:
-            dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
+        dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
              mask=cmask[None, :])
 
@@ -428,7 +413,6 @@ class KernelTiles:
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
     dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
-    dphi_split_bf16: bool = True            # bf16 x: dphi dot as two bf16 dots (SPLIT_DP)
 
 
 TILES = KernelTiles()
@@ -530,9 +514,7 @@ class _PreFn(torch.autograd.Function):
             _pre_dx_dphi[(dx_blocks, dx_splits)](
                 x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x, dx,
                 dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m, MP=mp,
-                BT=bt_dx, BC=bc_dx, PREC=prec,
-                SPLIT_DP=TILES.dphi_split_bf16 and _projection_splits_phi(x.dtype),
-                INTERPRETED=_INTERPRETED, num_warps=warps_dx)
+                BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
         elif dx_combine is not None:
             dx = dx_combine
         dphi = dphi_part.sum(0)[:m].to(phi.dtype)
