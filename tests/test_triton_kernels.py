@@ -219,3 +219,31 @@ def test_combine_on_other_tensor_keeps_its_own_dx():
     ref.expand_combine(other_r, y0, None, h_res0, h_post0).sum().backward()
     assert rel_err(other.grad, other_r.grad) < TOL[torch.float32]
     assert rel_err(xl.grad, xr.grad) < TOL[torch.float32]
+
+
+def test_dx_link_survives_pre_view_being_freed():
+    """Under the cross-layer recompute nothing keeps pre's input view alive until combine
+    runs; the link must still be taken for an equal view of the same base, and the
+    gradient must equal the reference's."""
+    import gc
+
+    t, n, c = 11, 4, 16
+    x, phi, alpha, bias, _ = _pre_case(t, n, c, torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    up = torch.randn(t, n, c, generator=g).to(DEV)
+    grads = []
+    for ops_pre, ops_combine in ((triton_mhc.pre, triton_mhc.combine),
+                                 (ref.pre, ref.expand_combine)):
+        base = x.view(t, 1, n * c).clone().requires_grad_()
+        streams = base * 1.0  # a non-leaf, as the layer's streams are
+        # what the recompute does: autograd keeps no reference to pre's saved tensors
+        with torch.autograd.graph.saved_tensors_hooks(lambda v: v.detach().clone(),
+                                                      lambda v: v):
+            y, _, h_post, h_res = ops_pre(streams.view(t, n, c), phi, alpha, bias, 20, 1e-6)
+        gc.collect()  # pre's view object is gone now
+        out = ops_combine(streams.view(t, n, c), y, None, h_res, h_post)
+        if ops_pre is triton_mhc.pre:
+            assert h_res._mhc_dx_link.claimed
+        out.backward(up)
+        grads.append(base.grad)
+    assert rel_err(grads[0], grads[1]) < TOL[torch.float32]
