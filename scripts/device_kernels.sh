@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Kernel work on the lent GPU machine in one call: (optionally) the tile tuner, the benchmark
-# with the tuned tiles, the per-kernel profile, then the Triton and recompute tests on the GPU. Results go to $OUT (default out/device).
+# with the tuned tiles, the per-kernel profile, then the Triton and recompute tests on the GPU.
+# Results go to $OUT (default out/device).
 #   carry [".whl", ".te"];  TUNE=1 runs benchmarks/tune_tiles.py first (TUNE_ARGS: its options);
 #   SIZES="16384x4096 ..." (default 16384x4096); BENCH_ARGS: extra bench_mhc.py arguments.
 set -uo pipefail

@@ -21,9 +21,10 @@ partials that are summed in a fixed order, so results are bitwise identical run 
   ``dP`` and the RMS term) and ``_pre_dx_dphi`` (one more pass over x: ``dx`` and the
   ``dphi`` partials together).
 
-Across ops (:mod:`mhc_megatron.kernels.handoff`): the gradient of x is written once per
-sublayer (x feeds "pre" and "combine"; when combine's mappings come from our pre on the same
-x, pre's dx kernel adds combine's dx: no autograd add of two x-sized tensors).
+x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
+combine's dx (written by its backward) is added inside pre's dx kernel, so autograd gets one
+x-gradient per sublayer instead of adding two x-sized tensors (see
+:mod:`mhc_megatron.kernels.handoff`).
 
 Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
 split into bf16 hi + lo halves (~16 mantissa bits of phi); fp16 x widened and TF32 (exact for
