@@ -20,7 +20,6 @@ import os
 import sys
 import types
 
-import torch
 
 
 def _general_gemm(A, B, out_dtype=None, layout="TN", **_):
