@@ -21,7 +21,6 @@ import sys
 import types
 
 
-
 def _general_gemm(A, B, out_dtype=None, layout="TN", **_):
     """The one form TE's mHC calls: layout "NT" -> ``B^T @ A`` (fp32 accumulate)."""
     if layout != "NT":
