@@ -148,11 +148,11 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
 
 
 @triton.jit
-def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters,
-                  N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """Sum the split partials in order, then Ht, rstd and the mappings for a token block."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+def _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
+                    ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters,
+                    STORE_HPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr,
+                    BT: tl.constexpr):
+    """Sum the split partials in order, then Ht, rstd and the mappings for tokens ``t``."""
     tmask = t < T
     t64 = t.to(tl.int64)
     mcol = tl.arange(0, MP)
@@ -160,8 +160,9 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
     ss = tl.zeros([BT], dtype=tl.float32)
     for s in range(SPLITS):
         row = s * T + t64
-        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
-        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0)
+        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None],
+                       other=0.0, cache_modifier=".cg")
+        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0, cache_modifier=".cg")
     rstd = 1.0 / tl.sqrt(ss / K + eps)
     tl.store(ht_ptr + t64[:, None] * MP + mcol[None, :], acc * rstd[:, None], mask=tmask[:, None])
     tl.store(rstd_ptr + t, rstd, mask=tmask)
@@ -170,11 +171,22 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
                                                              tmask, N, MP)
     i = tl.arange(0, N)
     ij = i[:, None] * N + i[None, :]
-    tl.store(hpre_ptr + t64[:, None] * N + i[None, :], tl.sigmoid(z_pre), mask=tmask[:, None])
+    if STORE_HPRE:
+        tl.store(hpre_ptr + t64[:, None] * N + i[None, :], tl.sigmoid(z_pre), mask=tmask[:, None])
     tl.store(hpost_ptr + t64[:, None] * N + i[None, :], 2.0 * tl.sigmoid(z_post),
              mask=tmask[:, None])
     tl.store(hres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
              tl.exp(_sinkhorn_log(z_res, iters)), mask=tmask[:, None, None])
+
+
+@triton.jit
+def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
+                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters,
+                  N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
+    """The mappings of a token block from the projection partials (unfused path)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
+                    ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters, True, N, MP, BT)
 
 
 @triton.jit
@@ -192,6 +204,126 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
                  mask=m2[:, None, :], other=0.0).to(tl.float32)
     y = tl.sum(x3 * h_pre[:, :, None], axis=1)
     tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _h_pre_from_partials(part_ptr, ss_ptr, alpha_ptr, bias_ptr, t, T, K, SPLITS, eps,
+                         N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
+    """H_pre [BT, N] of tokens ``t`` from the projection partials: the same fp32 operations,
+    in the same order, as :func:`_block_mappings` (so every program gets the same bits)."""
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    i = tl.arange(0, N)
+    acc = tl.zeros([BT, N], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for s in range(SPLITS):
+        row = s * T + t64
+        acc += tl.load(part_ptr + row[:, None] * MP + i[None, :], mask=tmask[:, None], other=0.0,
+                       cache_modifier=".cg")
+        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0, cache_modifier=".cg")
+    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    ht = acc * rstd[:, None]
+    z = tl.load(alpha_ptr).to(tl.float32) * ht + tl.load(bias_ptr + i).to(tl.float32)[None, :]
+    return tl.sigmoid(z)
+
+
+@triton.jit
+def _pre_fwd_fused(x_ptr, phi_ptr, alpha_ptr, bias_ptr, part_ptr, ss_ptr, sync_ptr, y_ptr,
+                   hpre_ptr, hpost_ptr, hres_ptr, ht_ptr, rstd_ptr, T, C, CS, eps, iters, LAG,
+                   N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, AT: tl.constexpr, AC: tl.constexpr, PREC: tl.constexpr,
+                   SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Projection, mappings and aggregate of "pre" in one launch, x read once from memory.
+
+    Token block b (BT tokens) is cut into S = cdiv(C, CS) channel slices (all N streams of
+    CS channels each). Two kinds of programs per (b, slice s):
+
+    * projection: ``part[s, t, :] = x[t, :, slice s] @ phi[:, slice s]^T`` and the sum of
+      squares there, then ``sync[1 + b] += 1`` (release);
+    * aggregate: waits until ``sync[1 + b] == S`` (acquire), forms H_pre from the S
+      partials (fixed order: every program gets the same bits) and writes
+      ``y[t, slice s] = sum_i H_pre[t, i] x[t, i, slice s]``; x comes back from L2, where the
+      projection of the same slice put it a few blocks earlier. Slice 0 also writes the
+      mappings of the block (Ht, rstd, H_pre, H_post, Sinkhorn H_res).
+
+    Work goes by a ticket (``sync[0]``, taken at program start), not by program id: tickets
+    ``g*2S .. g*2S+S-1`` are the projections of block g, the next S the aggregates of block
+    g - LAG. A program waits only for smaller tickets, whose programs have started and never
+    wait themselves, so the launch cannot deadlock whatever order the hardware runs it in.
+    Only integer atomics: results are bitwise reproducible."""
+    S = tl.cdiv(C, CS)
+    nb = tl.cdiv(T, BT)
+    K = N * C
+    w = tl.atomic_add(sync_ptr, 1)
+    group = w // (2 * S)
+    r = w % (2 * S)
+    if r < S:
+        b = group
+        if b < nb:
+            t = b * BT + tl.arange(0, BT)
+            tmask = t < T
+            t64 = t.to(tl.int64)
+            mcol = tl.arange(0, MP)
+            acc = tl.zeros([BT, MP], dtype=tl.float32)
+            ss = tl.zeros([BT], dtype=tl.float32)
+            c_lo = r * CS
+            for kk in range(0, N * CS, BK):
+                i = kk // CS
+                c = c_lo + (kk - i * CS) + tl.arange(0, BK)
+                kmask = c < C
+                k = i * C + c
+                xt = tl.load(x_ptr + t64[:, None] * K + k[None, :],
+                             mask=tmask[:, None] & kmask[None, :], other=0.0)
+                xf = xt.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+                ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
+                             mask=kmask[:, None] & (mcol[None, :] < M), other=0.0).to(tl.float32)
+                if SPLIT_PHI:
+                    ph_hi = ph.to(xt.dtype)
+                    ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
+                    if INTERPRETED:  # the interpreter's bf16 dot is wrong: same split, fp32 dot
+                        acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
+                        acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(xt, ph_hi, acc)
+                        acc = tl.dot(xt, ph_lo, acc)
+                else:
+                    acc = tl.dot(xf, ph, acc, input_precision=PREC)
+            row = r.to(tl.int64) * T + t64
+            tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
+            tl.store(ss_ptr + row, ss, mask=tmask)
+            tl.debug_barrier()  # every thread's partials are written before the release
+            tl.atomic_add(sync_ptr + 1 + b, 1, sem="release")
+    else:
+        b = group - LAG
+        s = r - S
+        if (b >= 0) & (b < nb):
+            done = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
+            while done < S:
+                done = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
+            i = tl.arange(0, N)
+            c_lo = s * CS
+            c_hi = tl.minimum(C, c_lo + CS)
+            for t0 in range(b * BT, b * BT + BT, AT):
+                t = t0 + tl.arange(0, AT)
+                tmask = t < T
+                t64 = t.to(tl.int64)
+                h_pre = _h_pre_from_partials(part_ptr, ss_ptr, alpha_ptr, bias_ptr, t, T, K, S,
+                                             eps, N, MP, AT)
+                tl.store(hpre_ptr + t64[:, None] * N + i[None, :], h_pre,
+                         mask=tmask[:, None] & (s == 0))
+                for c0 in range(c_lo, c_lo + CS, AC):
+                    c = c0 + tl.arange(0, AC)
+                    m2 = tmask[:, None] & (c < c_hi)[None, :]
+                    x3 = tl.load(x_ptr + t64[:, None, None] * K + i[None, :, None] * C
+                                 + c[None, None, :], mask=m2[:, None, :], other=0.0)
+                    y = tl.sum(x3.to(tl.float32) * h_pre[:, :, None], axis=1)
+                    tl.store(y_ptr + t64[:, None] * C + c[None, :],
+                             y.to(y_ptr.dtype.element_ty), mask=m2)
+            if s == 0:
+                _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr,
+                                hres_ptr, ht_ptr, rstd_ptr, b * BT + tl.arange(0, BT), T, K, S,
+                                eps, iters, False, N, MP, BT)
 
 
 @triton.jit
@@ -409,6 +541,8 @@ class KernelTiles:
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
+    fused_pre: bool = True                  # forward pre in one launch (_pre_fwd_fused)
+    pre_fused: tuple = (256, 8, 256, 4)     # (channels per slice, aggregate tokens, channels, lag)
     map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
@@ -440,6 +574,27 @@ def _check(x: torch.Tensor, n: int) -> None:
         raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}")
 
 
+def _launch_pre_fwd_fused(x, phi, alpha, bias, y, h_pre, h_post, h_res, ht, rstd, eps, iters):
+    """Launch :func:`_pre_fwd_fused` (tiles: ``TILES.proj[n]`` and ``TILES.pre_fused``)."""
+    T, n, C = x.shape
+    m, mp = 2 * n + n * n, _padded_m(n)
+    bt, bk, warps, stages = TILES.proj[n]
+    cs, at, ac, lag = TILES.pre_fused
+    bk = min(bk, max(16, triton.next_power_of_2(C)))
+    cs = min(max(bk, cs // bk * bk), triton.cdiv(C, bk) * bk)
+    at = min(at, bt)
+    ac = min(ac, triton.next_power_of_2(cs))
+    splits, blocks = triton.cdiv(C, cs), triton.cdiv(T, bt)
+    part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
+    part_ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
+    sync = torch.zeros(1 + blocks, device=x.device, dtype=torch.int32)
+    _pre_fwd_fused[((blocks + lag) * 2 * splits,)](
+        x, phi, alpha, bias, part, part_ss, sync, y, h_pre, h_post, h_res, ht, rstd, T, C, cs,
+        eps, iters, lag, N=n, M=m, MP=mp, BT=bt, BK=bk, AT=at, AC=ac,
+        PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
+        INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
+
+
 class _PreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link):
@@ -455,7 +610,10 @@ class _PreFn(torch.autograd.Function):
         h_res = torch.empty(T, n, n, device=dev, dtype=f32)
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
-        if T > 0:
+        if T > 0 and TILES.fused_pre:
+            _launch_pre_fwd_fused(x, phi, alpha, bias, y, h_pre, h_post, h_res, ht, rstd,
+                                  float(eps), int(iters))
+        elif T > 0:
             bt, bk, warps, stages = TILES.proj[n]
             splits, per = _splits(triton.cdiv(T, bt), K, bk)
             part = torch.empty(splits, T, mp, device=dev, dtype=f32)
