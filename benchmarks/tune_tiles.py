@@ -27,14 +27,16 @@ T = triton_mhc.TILES
 
 
 GROUPS = [  # (TILES field, op it drives, candidates)
-    ("fused_pre", "pre fwd", [False, True]),
-    ("pre_fused", "pre fwd", [(256, 8, 256, 4), (128, 8, 128, 4), (512, 8, 256, 4),
-                              (256, 4, 256, 4), (256, 16, 128, 4), (256, 8, 256, 1),
-                              (256, 8, 256, 8), (256, 8, 256, 16), (512, 16, 256, 8),
-                              (128, 4, 128, 8), (1024, 8, 512, 4)]),
+    ("pre_fused", "pre fwd", [(256, 8, 256, 4), (256, 8, 256, 16), (256, 8, 256, 32),
+                              (256, 8, 256, 64), (128, 8, 128, 32), (128, 8, 128, 64),
+                              (512, 8, 256, 16), (512, 8, 256, 32), (1024, 8, 256, 8),
+                              (1024, 8, 256, 16), (256, 16, 256, 32), (256, 4, 256, 32),
+                              (256, 8, 128, 32), (4096, 8, 256, 2),
+                              (256, 8, 256, 256)]),  # lag 256: no overlap (diagnostic)
     ("proj", "pre fwd", [{4: v} for v in [(64, 128, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2),
                                          (64, 128, 8, 4), (32, 128, 4, 4), (64, 256, 8, 2),
-                                         (64, 64, 4, 4), (128, 64, 8, 3)]]),
+                                         (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 4, 2),
+                                         (64, 64, 4, 2), (128, 64, 8, 2)]]),
     ("fused_pre", "pre fwd", [True, False]),
     ("target_programs", "pre fwd", [512, 1024, 2048]),
     ("sweep", "pre fwd", [(8, 1024, 8), (16, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4)]),
@@ -52,14 +54,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="16384x4096")
     p.add_argument("--out", default=None)
-    p.add_argument("--groups", nargs="*", default=None, help="TILES fields to tune (default all)")
+    p.add_argument("--groups", nargs="*", default=None,
+                   help="TILES fields to tune, in this order (default all)")
     args = p.parse_args()
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
     print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; ms (median of do_bench)")
-    for field, op, candidates in GROUPS:
-        if args.groups is not None and field not in args.groups:
-            continue
+    by_field = {field: (field, op, candidates) for field, op, candidates in GROUPS}
+    order = GROUPS if args.groups is None else [by_field[g] for g in args.groups]
+    for field, op, candidates in order:  # --groups may repeat a field (a second round)
         best = None
         for cand in candidates:
             value = {**getattr(T, field), **cand} if field in DICT_FIELDS else cand
