@@ -103,7 +103,7 @@ def test_pre_one_launch_with_many_slices_and_blocks(monkeypatch, t, n, c, lag):
     programs running 0..3 blocks behind the projections; forward and all gradients."""
     tiles = triton_mhc.TILES
     monkeypatch.setattr(tiles, "proj", {**tiles.proj, n: (16, 16, 4, 2)})
-    monkeypatch.setattr(tiles, "pre_fused", (16 if n == 8 else 32, 4, 16, lag))
+    monkeypatch.setattr(tiles, "pre_fused", (16 if n == 8 else 32, 16, lag))
     monkeypatch.setattr(tiles, "fused_pre", True)
     x, phi, alpha, bias, grads = _pre_case(t, n, c, torch.float32, seed=t + lag)
     (y, *maps), grads_ours = _run_pre(triton_mhc.pre, x, phi, alpha, bias, grads)

@@ -150,8 +150,7 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
 @triton.jit
 def _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
                     ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters,
-                    STORE_HPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr,
-                    BT: tl.constexpr):
+                    N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
     """Sum the split partials in order, then Ht, rstd and the mappings for tokens ``t``."""
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -171,8 +170,7 @@ def _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, 
                                                              tmask, N, MP)
     i = tl.arange(0, N)
     ij = i[:, None] * N + i[None, :]
-    if STORE_HPRE:
-        tl.store(hpre_ptr + t64[:, None] * N + i[None, :], tl.sigmoid(z_pre), mask=tmask[:, None])
+    tl.store(hpre_ptr + t64[:, None] * N + i[None, :], tl.sigmoid(z_pre), mask=tmask[:, None])
     tl.store(hpost_ptr + t64[:, None] * N + i[None, :], 2.0 * tl.sigmoid(z_post),
              mask=tmask[:, None])
     tl.store(hres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
@@ -186,7 +184,7 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
     """The mappings of a token block from the projection partials (unfused path)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                    ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters, True, N, MP, BT)
+                    ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters, N, MP, BT)
 
 
 @triton.jit
@@ -207,31 +205,10 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
 
 
 @triton.jit
-def _h_pre_from_partials(part_ptr, ss_ptr, alpha_ptr, bias_ptr, t, T, K, SPLITS, eps,
-                         N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """H_pre [BT, N] of tokens ``t`` from the projection partials: the same fp32 operations,
-    in the same order, as :func:`_block_mappings` (so every program gets the same bits)."""
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    i = tl.arange(0, N)
-    acc = tl.zeros([BT, N], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for s in range(SPLITS):
-        row = s * T + t64
-        acc += tl.load(part_ptr + row[:, None] * MP + i[None, :], mask=tmask[:, None], other=0.0,
-                       cache_modifier=".cg")
-        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0, cache_modifier=".cg")
-    rstd = 1.0 / tl.sqrt(ss / K + eps)
-    ht = acc * rstd[:, None]
-    z = tl.load(alpha_ptr).to(tl.float32) * ht + tl.load(bias_ptr + i).to(tl.float32)[None, :]
-    return tl.sigmoid(z)
-
-
-@triton.jit
 def _pre_fwd_fused(x_ptr, phi_ptr, alpha_ptr, bias_ptr, part_ptr, ss_ptr, sync_ptr, y_ptr,
                    hpre_ptr, hpost_ptr, hres_ptr, ht_ptr, rstd_ptr, T, C, CS, eps, iters, LAG,
                    N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, AT: tl.constexpr, AC: tl.constexpr, PREC: tl.constexpr,
+                   BK: tl.constexpr, AC: tl.constexpr, PREC: tl.constexpr,
                    SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
     """Projection, mappings and aggregate of "pre" in one launch, x read once from memory.
 
@@ -239,18 +216,20 @@ def _pre_fwd_fused(x_ptr, phi_ptr, alpha_ptr, bias_ptr, part_ptr, ss_ptr, sync_p
     CS channels each). Two kinds of programs per (b, slice s):
 
     * projection: ``part[s, t, :] = x[t, :, slice s] @ phi[:, slice s]^T`` and the sum of
-      squares there, then ``sync[1 + b] += 1`` (release);
-    * aggregate: waits until ``sync[1 + b] == S`` (acquire), forms H_pre from the S
-      partials (fixed order: every program gets the same bits) and writes
-      ``y[t, slice s] = sum_i H_pre[t, i] x[t, i, slice s]``; x comes back from L2, where the
-      projection of the same slice put it a few blocks earlier. Slice 0 also writes the
-      mappings of the block (Ht, rstd, H_pre, H_post, Sinkhorn H_res).
+      squares there, then ``sync[1 + b] += 1``. The program that brings the count to S
+      (the block's last slice) sums the S partials in order, writes the block's mappings
+      (Ht, rstd, H_pre, H_post, Sinkhorn H_res) and brings the count to S + 1 ("ready");
+    * aggregate: waits for "ready", then writes
+      ``y[t, slice s] = sum_i H_pre[t, i] x[t, i, slice s]``, x coming back from L2 where
+      the projection of the same slice put it LAG blocks earlier.
 
     Work goes by a ticket (``sync[0]``, taken at program start), not by program id: tickets
     ``g*2S .. g*2S+S-1`` are the projections of block g, the next S the aggregates of block
     g - LAG. A program waits only for smaller tickets, whose programs have started and never
     wait themselves, so the launch cannot deadlock whatever order the hardware runs it in.
-    Only integer atomics: results are bitwise reproducible."""
+    Memory order: partials and mappings are stored, a CTA barrier, then a release add; the
+    readers acquire the count and load with ``.cg`` (L2). Only integer atomics: results are
+    bitwise reproducible."""
     S = tl.cdiv(C, CS)
     nb = tl.cdiv(T, BT)
     K = N * C
@@ -293,37 +272,34 @@ def _pre_fwd_fused(x_ptr, phi_ptr, alpha_ptr, bias_ptr, part_ptr, ss_ptr, sync_p
             tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
             tl.store(ss_ptr + row, ss, mask=tmask)
             tl.debug_barrier()  # every thread's partials are written before the release
-            tl.atomic_add(sync_ptr + 1 + b, 1, sem="release")
+            arrived = tl.atomic_add(sync_ptr + 1 + b, 1, sem="acq_rel")
+            if arrived == S - 1:  # the block's last slice: its mappings, then "ready"
+                _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr,
+                                hres_ptr, ht_ptr, rstd_ptr, t, T, K, S, eps, iters, N, MP, BT)
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 1 + b, 1, sem="release")
     else:
         b = group - LAG
-        s = r - S
         if (b >= 0) & (b < nb):
-            done = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
-            while done < S:
-                done = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
+            ready = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
+            while ready <= S:
+                ready = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
+            t = b * BT + tl.arange(0, BT)
+            tmask = t < T
+            t64 = t.to(tl.int64)
             i = tl.arange(0, N)
-            c_lo = s * CS
+            h_pre = tl.load(hpre_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None],
+                            other=0.0, cache_modifier=".cg")
+            c_lo = (r - S) * CS
             c_hi = tl.minimum(C, c_lo + CS)
-            for t0 in range(b * BT, b * BT + BT, AT):
-                t = t0 + tl.arange(0, AT)
-                tmask = t < T
-                t64 = t.to(tl.int64)
-                h_pre = _h_pre_from_partials(part_ptr, ss_ptr, alpha_ptr, bias_ptr, t, T, K, S,
-                                             eps, N, MP, AT)
-                tl.store(hpre_ptr + t64[:, None] * N + i[None, :], h_pre,
-                         mask=tmask[:, None] & (s == 0))
-                for c0 in range(c_lo, c_lo + CS, AC):
-                    c = c0 + tl.arange(0, AC)
-                    m2 = tmask[:, None] & (c < c_hi)[None, :]
-                    x3 = tl.load(x_ptr + t64[:, None, None] * K + i[None, :, None] * C
-                                 + c[None, None, :], mask=m2[:, None, :], other=0.0)
-                    y = tl.sum(x3.to(tl.float32) * h_pre[:, :, None], axis=1)
-                    tl.store(y_ptr + t64[:, None] * C + c[None, :],
-                             y.to(y_ptr.dtype.element_ty), mask=m2)
-            if s == 0:
-                _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr,
-                                hres_ptr, ht_ptr, rstd_ptr, b * BT + tl.arange(0, BT), T, K, S,
-                                eps, iters, False, N, MP, BT)
+            for c0 in range(c_lo, c_hi, AC):
+                c = c0 + tl.arange(0, AC)
+                m2 = tmask[:, None] & (c < c_hi)[None, :]
+                x3 = tl.load(x_ptr + t64[:, None, None] * K + i[None, :, None] * C
+                             + c[None, None, :], mask=m2[:, None, :], other=0.0)
+                y = tl.sum(x3.to(tl.float32) * h_pre[:, :, None], axis=1)
+                tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+                         mask=m2)
 
 
 @triton.jit
@@ -542,7 +518,7 @@ class KernelTiles:
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
     fused_pre: bool = True                  # forward pre in one launch (_pre_fwd_fused)
-    pre_fused: tuple = (256, 8, 256, 4)     # (channels per slice, aggregate tokens, channels, lag)
+    pre_fused: tuple = (512, 32, 16)        # (channels per slice, aggregate channels/step, lag)
     map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
@@ -579,10 +555,9 @@ def _launch_pre_fwd_fused(x, phi, alpha, bias, y, h_pre, h_post, h_res, ht, rstd
     T, n, C = x.shape
     m, mp = 2 * n + n * n, _padded_m(n)
     bt, bk, warps, stages = TILES.proj[n]
-    cs, at, ac, lag = TILES.pre_fused
+    cs, ac, lag = TILES.pre_fused
     bk = min(bk, max(16, triton.next_power_of_2(C)))
     cs = min(max(bk, cs // bk * bk), triton.cdiv(C, bk) * bk)
-    at = min(at, bt)
     ac = min(ac, triton.next_power_of_2(cs))
     splits, blocks = triton.cdiv(C, cs), triton.cdiv(T, bt)
     part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
@@ -590,7 +565,7 @@ def _launch_pre_fwd_fused(x, phi, alpha, bias, y, h_pre, h_post, h_res, ht, rstd
     sync = torch.zeros(1 + blocks, device=x.device, dtype=torch.int32)
     _pre_fwd_fused[((blocks + lag) * 2 * splits,)](
         x, phi, alpha, bias, part, part_ss, sync, y, h_pre, h_post, h_res, ht, rstd, T, C, cs,
-        eps, iters, lag, N=n, M=m, MP=mp, BT=bt, BK=bk, AT=at, AC=ac,
+        eps, iters, lag, N=n, M=m, MP=mp, BT=bt, BK=bk, AC=ac,
         PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
         INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
 
