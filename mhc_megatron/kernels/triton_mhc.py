@@ -148,10 +148,11 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
 
 
 @triton.jit
-def _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                    ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters,
-                    N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """Sum the split partials in order, then Ht, rstd and the mappings for tokens ``t``."""
+def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
+                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters,
+                  N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
+    """Sum the split partials in order, then Ht, rstd and the mappings for a token block."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
     mcol = tl.arange(0, MP)
@@ -159,9 +160,8 @@ def _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, 
     ss = tl.zeros([BT], dtype=tl.float32)
     for s in range(SPLITS):
         row = s * T + t64
-        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None],
-                       other=0.0, cache_modifier=".cg")
-        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0, cache_modifier=".cg")
+        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
+        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0)
     rstd = 1.0 / tl.sqrt(ss / K + eps)
     tl.store(ht_ptr + t64[:, None] * MP + mcol[None, :], acc * rstd[:, None], mask=tmask[:, None])
     tl.store(rstd_ptr + t, rstd, mask=tmask)
@@ -175,16 +175,6 @@ def _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, 
              mask=tmask[:, None])
     tl.store(hres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
              tl.exp(_sinkhorn_log(z_res, iters)), mask=tmask[:, None, None])
-
-
-@triton.jit
-def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters,
-                  N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """The mappings of a token block from the projection partials (unfused path)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                    ht_ptr, rstd_ptr, t, T, K, SPLITS, eps, iters, N, MP, BT)
 
 
 @triton.jit
@@ -202,104 +192,6 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
                  mask=m2[:, None, :], other=0.0).to(tl.float32)
     y = tl.sum(x3 * h_pre[:, :, None], axis=1)
     tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def _pre_fwd_fused(x_ptr, phi_ptr, alpha_ptr, bias_ptr, part_ptr, ss_ptr, sync_ptr, y_ptr,
-                   hpre_ptr, hpost_ptr, hres_ptr, ht_ptr, rstd_ptr, T, C, CS, eps, iters, LAG,
-                   N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, AC: tl.constexpr, PREC: tl.constexpr,
-                   SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Projection, mappings and aggregate of "pre" in one launch, x read once from memory.
-
-    Token block b (BT tokens) is cut into S = cdiv(C, CS) channel slices (all N streams of
-    CS channels each). Two kinds of programs per (b, slice s):
-
-    * projection: ``part[s, t, :] = x[t, :, slice s] @ phi[:, slice s]^T`` and the sum of
-      squares there, then ``sync[1 + b] += 1``. The program that brings the count to S
-      (the block's last slice) sums the S partials in order, writes the block's mappings
-      (Ht, rstd, H_pre, H_post, Sinkhorn H_res) and brings the count to S + 1 ("ready");
-    * aggregate: waits for "ready", then writes
-      ``y[t, slice s] = sum_i H_pre[t, i] x[t, i, slice s]``, x coming back from L2 where
-      the projection of the same slice put it LAG blocks earlier.
-
-    Work goes by a ticket (``sync[0]``, taken at program start), not by program id: tickets
-    ``g*2S .. g*2S+S-1`` are the projections of block g, the next S the aggregates of block
-    g - LAG. A program waits only for smaller tickets, whose programs have started and never
-    wait themselves, so the launch cannot deadlock whatever order the hardware runs it in.
-    Memory order: partials and mappings are stored, a CTA barrier, then a release add; the
-    readers acquire the count and load with ``.cg`` (L2). Only integer atomics: results are
-    bitwise reproducible."""
-    S = tl.cdiv(C, CS)
-    nb = tl.cdiv(T, BT)
-    K = N * C
-    w = tl.atomic_add(sync_ptr, 1)
-    group = w // (2 * S)
-    r = w % (2 * S)
-    if r < S:
-        b = group
-        if b < nb:
-            t = b * BT + tl.arange(0, BT)
-            tmask = t < T
-            t64 = t.to(tl.int64)
-            mcol = tl.arange(0, MP)
-            acc = tl.zeros([BT, MP], dtype=tl.float32)
-            ss = tl.zeros([BT], dtype=tl.float32)
-            c_lo = r * CS
-            for kk in range(0, N * CS, BK):
-                i = kk // CS
-                c = c_lo + (kk - i * CS) + tl.arange(0, BK)
-                kmask = c < C
-                k = i * C + c
-                xt = tl.load(x_ptr + t64[:, None] * K + k[None, :],
-                             mask=tmask[:, None] & kmask[None, :], other=0.0)
-                xf = xt.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-                ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
-                             mask=kmask[:, None] & (mcol[None, :] < M), other=0.0).to(tl.float32)
-                if SPLIT_PHI:
-                    ph_hi = ph.to(xt.dtype)
-                    ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
-                    if INTERPRETED:  # the interpreter's bf16 dot is wrong: same split, fp32 dot
-                        acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
-                        acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(xt, ph_hi, acc)
-                        acc = tl.dot(xt, ph_lo, acc)
-                else:
-                    acc = tl.dot(xf, ph, acc, input_precision=PREC)
-            row = r.to(tl.int64) * T + t64
-            tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
-            tl.store(ss_ptr + row, ss, mask=tmask)
-            tl.debug_barrier()  # every thread's partials are written before the release
-            arrived = tl.atomic_add(sync_ptr + 1 + b, 1, sem="acq_rel")
-            if arrived == S - 1:  # the block's last slice: its mappings, then "ready"
-                _block_mappings(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr,
-                                hres_ptr, ht_ptr, rstd_ptr, t, T, K, S, eps, iters, N, MP, BT)
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + 1 + b, 1, sem="release")
-    else:
-        b = group - LAG
-        if (b >= 0) & (b < nb):
-            ready = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
-            while ready <= S:
-                ready = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire")
-            t = b * BT + tl.arange(0, BT)
-            tmask = t < T
-            t64 = t.to(tl.int64)
-            i = tl.arange(0, N)
-            h_pre = tl.load(hpre_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None],
-                            other=0.0, cache_modifier=".cg")
-            c_lo = (r - S) * CS
-            c_hi = tl.minimum(C, c_lo + CS)
-            for c0 in range(c_lo, c_hi, AC):
-                c = c0 + tl.arange(0, AC)
-                m2 = tmask[:, None] & (c < c_hi)[None, :]
-                x3 = tl.load(x_ptr + t64[:, None, None] * K + i[None, :, None] * C
-                             + c[None, None, :], mask=m2[:, None, :], other=0.0)
-                y = tl.sum(x3.to(tl.float32) * h_pre[:, :, None], axis=1)
-                tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
-                         mask=m2)
 
 
 @triton.jit
@@ -517,8 +409,6 @@ class KernelTiles:
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
-    fused_pre: bool = True                  # forward pre in one launch (_pre_fwd_fused)
-    pre_fused: tuple = (512, 32, 16)        # (channels per slice, aggregate channels/step, lag)
     map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
@@ -550,26 +440,6 @@ def _check(x: torch.Tensor, n: int) -> None:
         raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}")
 
 
-def _launch_pre_fwd_fused(x, phi, alpha, bias, y, h_pre, h_post, h_res, ht, rstd, eps, iters):
-    """Launch :func:`_pre_fwd_fused` (tiles: ``TILES.proj[n]`` and ``TILES.pre_fused``)."""
-    T, n, C = x.shape
-    m, mp = 2 * n + n * n, _padded_m(n)
-    bt, bk, warps, stages = TILES.proj[n]
-    cs, ac, lag = TILES.pre_fused
-    bk = min(bk, max(16, triton.next_power_of_2(C)))
-    cs = min(max(bk, cs // bk * bk), triton.cdiv(C, bk) * bk)
-    ac = min(ac, triton.next_power_of_2(cs))
-    splits, blocks = triton.cdiv(C, cs), triton.cdiv(T, bt)
-    part = torch.empty(splits, T, mp, device=x.device, dtype=torch.float32)
-    part_ss = torch.empty(splits, T, device=x.device, dtype=torch.float32)
-    sync = torch.zeros(1 + blocks, device=x.device, dtype=torch.int32)
-    _pre_fwd_fused[((blocks + lag) * 2 * splits,)](
-        x, phi, alpha, bias, part, part_ss, sync, y, h_pre, h_post, h_res, ht, rstd, T, C, cs,
-        eps, iters, lag, N=n, M=m, MP=mp, BT=bt, BK=bk, AC=ac,
-        PREC=_dot_precision(x.dtype), SPLIT_PHI=_projection_splits_phi(x.dtype),
-        INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
-
-
 class _PreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link):
@@ -585,10 +455,7 @@ class _PreFn(torch.autograd.Function):
         h_res = torch.empty(T, n, n, device=dev, dtype=f32)
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
-        if T > 0 and TILES.fused_pre:
-            _launch_pre_fwd_fused(x, phi, alpha, bias, y, h_pre, h_post, h_res, ht, rstd,
-                                  float(eps), int(iters))
-        elif T > 0:
+        if T > 0:
             bt, bk, warps, stages = TILES.proj[n]
             splits, per = _splits(triton.cdiv(T, bt), K, bk)
             part = torch.empty(splits, T, mp, device=dev, dtype=f32)
