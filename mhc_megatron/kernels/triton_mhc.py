@@ -395,47 +395,6 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
              mask=cmask[None, :])
 
 
-@triton.jit
-def _pre_dx_dphi_streams(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr,
-                         dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr,
-                         N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
-                         BC: tl.constexpr, PREC: tl.constexpr):
-    """:func:`_pre_dx_dphi` with all N streams of a channel block in one program: tiles
-    ``[N, BT, BC]`` and batched dots, so dy and dP are loaded once per step, not N times."""
-    c = tl.program_id(0) * BC + tl.arange(0, BC)
-    split = tl.program_id(1)
-    cmask = c < C
-    K = N * C
-    si = tl.arange(0, N)
-    k = si[:, None] * C + c[None, :]                                   # [N, BC]
-    mcol = tl.arange(0, MP)
-    ph = tl.load(phi_ptr + mcol[None, :, None].to(tl.int64) * K + k[:, None, :],
-                 mask=(mcol[None, :, None] < M) & cmask[None, None, :], other=0.0).to(tl.float32)
-    dphi = tl.zeros([N, MP, BC], dtype=tl.float32)
-    t_start = split * TOKENS_PER_SPLIT
-    for t0 in range(t_start, t_start + TOKENS_PER_SPLIT, BT):
-        t = t0 + tl.arange(0, BT)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        m2 = tmask[:, None] & cmask[None, :]
-        m3 = m2[None, :, :]
-        dp = tl.load(dp_ptr + t64[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
-        dp3 = tl.broadcast_to(dp[None, :, :], [N, BT, MP])
-        coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
-        h3 = tl.load(hpre_ptr + t64[None, :] * N + si[:, None], mask=tmask[None, :], other=0.0)
-        dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        offs = t64[None, :, None] * K + k[:, None, :]
-        x3 = tl.load(x_ptr + offs, mask=m3, other=0.0).to(tl.float32)
-        dx3 = (tl.dot(dp3, ph, input_precision=PREC) + coef[None, :, None] * x3
-               + h3[:, :, None] * dy[None, :, :])
-        if HAS_ACC:
-            dx3 += tl.load(acc_ptr + offs, mask=m3, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
-        dphi = tl.dot(tl.trans(dp3, (0, 2, 1)), x3, dphi, input_precision=PREC)
-    tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[None, :, None] * K + k[:, None, :],
-             dphi, mask=cmask[None, None, :])
-
-
 # ----------------------------------------------------------------------- autograd glue
 @dataclass
 class KernelTiles:
@@ -455,7 +414,6 @@ class KernelTiles:
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
     dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
-    dx_streams: tuple = ()                  # all-streams dx + dphi (tokens, channels, warps); () off
 
 
 TILES = KernelTiles()
@@ -537,10 +495,9 @@ class _PreFn(torch.autograd.Function):
         dp = torch.zeros(T, mp, device=dev, dtype=f32)
         coef = torch.empty(T, device=dev, dtype=f32)
         prec = _dot_precision(x.dtype)
-        streams = bool(TILES.dx_streams)
-        bt_dx, bc_dx, warps_dx = TILES.dx_streams if streams else TILES.dx
+        bt_dx, bc_dx, warps_dx = TILES.dx
         bc_dx = min(bc_dx, max(16, triton.next_power_of_2(C)))
-        dx_blocks = (1 if streams else n) * triton.cdiv(C, bc_dx)
+        dx_blocks = n * triton.cdiv(C, bc_dx)
         dx_splits, dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         dphi_part = torch.zeros(dx_splits, mp, K, device=dev, dtype=f32)
         if T > 0:
@@ -555,7 +512,7 @@ class _PreFn(torch.autograd.Function):
                 dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, hist, T, K, ctx.iters,
                 HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
             del hist
-            (_pre_dx_dphi_streams if streams else _pre_dx_dphi)[(dx_blocks, dx_splits)](
+            _pre_dx_dphi[(dx_blocks, dx_splits)](
                 x, dy, h_pre, dp, coef, phi, dx_combine if dx_combine is not None else x, dx,
                 dphi_part, T, C, dx_per, HAS_ACC=dx_combine is not None, N=n, M=m, MP=mp,
                 BT=bt_dx, BC=bc_dx, PREC=prec, num_warps=warps_dx)
