@@ -1,0 +1,102 @@
+"""What holds ``_pre_dx_dphi`` below copy bandwidth: the shipped kernel against variants of
+itself with parts removed, launched exactly as pre's backward launches it (GPU only).
+
+The variants are built from the kernel's own source (``inspect``), with one line edited each,
+written to a temporary module and compiled; the product code is not touched:
+
+* ``shipped``: as in mhc_megatron/kernels/triton_mhc.py;
+* ``no dphi dot``: without ``dphi += dP^T x`` (dphi stays zero);
+* ``no dx dot``: without the ``dP @ phi`` term of dx (dP still loaded and read);
+* ``no dots``: neither dot (dP still loaded): the same loads and stores, elementwise only;
+* ``copy``: torch's device copy of the same bytes (read 3 x-sized + y-sized, write 1).
+
+    python benchmarks/probe_dx_kernel.py [--size 16384x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import sys
+import tempfile
+import textwrap
+
+import torch
+import triton
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "benchmarks")
+from bench_mhc import bench, copy_bandwidth  # noqa: E402
+from mhc_megatron.kernels import triton_mhc as tm  # noqa: E402
+
+DX_DOT = "tl.dot(dp, ph, input_precision=PREC) + "
+DPHI_DOT = "dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)"
+KEEP_DP = "dphi += tl.sum(dp, axis=0)[:, None] * 0.0  # dP stays loaded"
+VARIANTS = {
+    "shipped": [],
+    "no dphi dot": [(DPHI_DOT, KEEP_DP)],
+    "no dx dot": [(DX_DOT, "")],
+    "no dots": [(DX_DOT, ""), (DPHI_DOT, KEEP_DP)],
+}
+
+
+def kernel_variant(edits):
+    """Compile ``_pre_dx_dphi`` with ``edits`` (old, new) applied to its source."""
+    src = textwrap.dedent(inspect.getsource(tm._pre_dx_dphi.fn))
+    for old, new in edits:
+        assert old in src, old
+        src = src.replace(old, new)
+    module_src = "import triton\nimport triton.language as tl\n\n\n" + src  # src has @triton.jit
+    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    path.write(module_src)
+    path.close()
+    spec = importlib.util.spec_from_file_location(f"dx_variant_{abs(hash(src))}", path.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._pre_dx_dphi
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="16384x4096")
+    args = p.parse_args()
+    T, C = (int(v) for v in args.size.split("x"))
+    n, dt, dev = 4, torch.bfloat16, "cuda"
+    m, mp, K = 2 * n + n * n, tm._padded_m(n), n * C
+    x = torch.randn(T, n, C, device=dev, dtype=dt)
+    acc = torch.randn_like(x)
+    dy = torch.randn(T, C, device=dev, dtype=dt)
+    h_pre = torch.rand(T, n, device=dev)
+    dp = torch.randn(T, mp, device=dev) * 1e-2
+    coef = torch.randn(T, device=dev) * 1e-3
+    phi = torch.randn(m, K, device=dev) * K ** -0.5
+    dx = torch.empty_like(x)
+    bt, bc, warps = tm.TILES.dx
+    blocks = n * triton.cdiv(C, bc)
+    splits, per = tm._splits(blocks, T, bt)
+    dphi = torch.zeros(splits, mp, K, device=dev)
+    prec = tm._dot_precision(dt)
+    nbytes = 4 * x.numel() * x.element_size() + dy.numel() * dy.element_size()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}; _pre_dx_dphi at T={T} C={C} n=4 bf16, tiles "
+          f"{tm.TILES.dx}, grid ({blocks}, {splits}); {nbytes / 1e9:.3f} GB moved; "
+          f"copy bandwidth {bw:.0f} GB/s")
+    print("| variant | ms | GB/s | % of copy BW |\n|---|---|---|---|")
+    for name, edits in VARIANTS.items():
+        kern = kernel_variant(edits)
+
+        def run(kern=kern):
+            kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, acc, dx, dphi, T, C, per,
+                                   HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
+                                   num_warps=warps)
+        ms = bench(run)
+        print(f"| {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |")
+    src = torch.empty(nbytes // 4, device=dev, dtype=dt)  # read nbytes/2, write nbytes/2
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    print(f"| copy (same bytes) | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
