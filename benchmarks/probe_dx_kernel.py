@@ -8,6 +8,8 @@ written to a temporary module and compiled; the product code is not touched:
 * ``no dphi dot``: without ``dphi += dP^T x`` (dphi stays zero);
 * ``no dx dot``: without the ``dP @ phi`` term of dx (dP still loaded and read);
 * ``no dots``: neither dot (dP still loaded): the same loads and stores, elementwise only;
+* ``dphi transposed``: ``dphi^T += x^T dP`` (channels as the dot's M dimension), and the same
+  with x as bf16 and dP split into bf16 hi + lo;
 * ``copy``: torch's device copy of the same bytes (read 3 x-sized + y-sized, write 1).
 
     python benchmarks/probe_dx_kernel.py [--size 16384x4096]
@@ -38,6 +40,17 @@ VARIANTS = {
     "no dphi dot": [(DPHI_DOT, KEEP_DP)],
     "no dx dot": [(DX_DOT, "")],
     "no dots": [(DX_DOT, ""), (DPHI_DOT, KEEP_DP)],
+    # dphi^T = x^T dP: the token axis as K, the channel block (not the 32 padded mapping
+    # columns) as the dot's M, so the dot can take Hopper's 64-row tensor-core path
+    "dphi transposed": [("dphi = tl.zeros([MP, BC]", "dphi = tl.zeros([BC, MP]"),
+                        (DPHI_DOT, "dphi = tl.dot(tl.trans(xs), dp, dphi, input_precision=PREC)"),
+                        ("k[None, :], dphi,", "k[None, :], tl.trans(dphi),")],
+    "dphi transposed, bf16 x": [
+        ("dphi = tl.zeros([MP, BC]", "dphi = tl.zeros([BC, MP]"),
+        (DPHI_DOT, "dp_hi = dp.to(tl.bfloat16)\n        dp_lo = (dp - dp_hi.to(tl.float32))"
+                   ".to(tl.bfloat16)\n        xb = tl.trans(xs.to(tl.bfloat16))\n"
+                   "        dphi = tl.dot(xb, dp_lo, tl.dot(xb, dp_hi, dphi))"),
+        ("k[None, :], dphi,", "k[None, :], tl.trans(dphi),")],
 }
 
 
@@ -77,7 +90,7 @@ def main():
     splits, per = tm._splits(blocks, T, bt)
     dphi = torch.zeros(splits, mp, K, device=dev)
     prec = tm._dot_precision(dt)
-    nbytes = 4 * x.numel() * x.element_size() + dy.numel() * dy.element_size()
+    nbytes = 3 * x.numel() * x.element_size() + dy.numel() * dy.element_size()  # x, acc, dx
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}; _pre_dx_dphi at T={T} C={C} n=4 bf16, tiles "
           f"{tm.TILES.dx}, grid ({blocks}, {splits}); {nbytes / 1e9:.3f} GB moved; "
@@ -91,8 +104,15 @@ def main():
                                    HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
                                    num_warps=warps)
         ms = bench(run)
+        if name == "shipped":
+            ref_dx, ref_dphi = dx.clone(), dphi.clone()
+        elif name.startswith("dphi"):  # same results as the shipped kernel?
+            run()
+            err = ((dphi - ref_dphi).norm() / ref_dphi.norm()).item()
+            assert torch.equal(dx, ref_dx) and err < 1e-2, (name, err)
+            name = f"{name} (dphi rel. diff {err:.1e})"
         print(f"| {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |")
-    src = torch.empty(nbytes // 4, device=dev, dtype=dt)  # read nbytes/2, write nbytes/2
+    src = torch.empty(nbytes // 4, device=dev, dtype=dt)  # reads nbytes/2, writes nbytes/2
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     print(f"| copy (same bytes) | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / bw:.0%} |")
