@@ -8,6 +8,9 @@ written to a temporary module and compiled; the product code is not touched:
 * ``no dphi dot``: without ``dphi += dP^T x`` (dphi stays zero);
 * ``no dx dot``: without the ``dP @ phi`` term of dx (dP still loaded and read);
 * ``no dots``: neither dot (dP still loaded): the same loads and stores, elementwise only;
+  dP is kept alive by a column sum folded into dphi, a cross-warp reduction that is not free
+  itself (``no dphi dot`` runs slower than ``shipped``), so this time is an upper bound of
+  the streaming part;
 * ``dphi transposed``: ``dphi^T += x^T dP`` (channels as the dot's M dimension), and the same
   with x as bf16 and dP split into bf16 hi + lo;
 * ``copy``: torch's device copy of the same bytes (read 3 x-sized + y-sized, write 1).
