@@ -67,8 +67,14 @@ def test_final_norm_contracts_by_sum_and_checks_width(megatron_single_rank):
     cfg = tiny_config(num_residual_streams=3)
     block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
     norm = block.layer_norm(config=cfg, hidden_size=cfg.hidden_size, eps=1e-5)
-    x = torch.randn(5, 2, 3 * cfg.hidden_size)
-    expect = norm.norm(x.view(5, 2, 3, cfg.hidden_size).sum(2))
+    assert norm.eps == 1e-5 and norm.norm.eps == pytest.approx(1e-5 / 9)  # eps / n^2 on the mean
+    x = torch.randn(5, 2, 3 * cfg.hidden_size) * 1e-3  # small enough for eps to matter
+    weight, bias = torch.rand(cfg.hidden_size) + 0.5, torch.randn(cfg.hidden_size)
+    with torch.no_grad():
+        norm.norm.weight.copy_(weight)
+        norm.norm.bias.copy_(bias)
+    expect = torch.nn.functional.layer_norm(x.view(5, 2, 3, cfg.hidden_size).sum(2),
+                                            (cfg.hidden_size,), weight, bias, eps=1e-5)
     torch.testing.assert_close(norm(x), expect)
     with pytest.raises(ValueError, match="final norm expects the residual streams"):
         norm(torch.randn(5, 2, cfg.hidden_size))

@@ -1,16 +1,25 @@
 """Where the residual streams begin and end: expand ``[s,b,C] -> [s,b,n*C]`` and contract.
 
 * Expand (start of the decoder, inside global layer 1): ``x_0 = [h, h, ..., h]``.
-* Contract (before the final norm, in :class:`StreamContractingNorm`):
-  ``h = sum_i x_L[i]``. We sum (as the hyper-connection papers do) rather than average:
-  the final RMSNorm/LayerNorm is scale invariant, so the two differ only through the
-  norm's epsilon.
+* Contract (the decoder's final norm, :class:`StreamContractingNorm`):
+  ``h = norm(sum_i x_L[i])``. We normalise the sum (as the hyper-connection papers do).
+
+Precision: both directions reduce or copy over the stream axis only, and the one reduction
+(the contraction) accumulates in fp32. The sum itself can leave the activation dtype's
+range (fp16: n streams of 2e4 sum to 8e4 > 65504) even though the normalised result is
+well inside it, so the contraction never materialises the sum: it hands the norm the
+stream **mean** (``|mean| <= max_i |x_i|``, so it fits whatever dtype the streams fit) and
+builds the norm with ``eps / n^2``. For LayerNorm and RMSNorm alike
+``norm(sum, eps) == norm(mean, eps / n^2)`` in exact arithmetic (both are invariant to the
+scale of their input up to ``eps``), so the model is the same function as "normalise the
+sum", without its overflow.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
@@ -24,30 +33,43 @@ def expand_streams(hidden_states: Tensor, n: int) -> Tensor:
 
 
 def contract_streams(streams: Tensor, n: int) -> Tensor:
-    """``[s, b, n*C]`` -> ``[s, b, C]``: the sum of the n streams."""
+    """``[s, b, n*C]`` -> ``[s, b, C]``: the mean of the n streams, accumulated in fp32.
+
+    Returned in the streams' dtype; it cannot overflow it (``|mean| <= max_i |x_i|``).
+    """
     s, b, nc = streams.shape
-    return streams.view(s, b, n, nc // n).sum(dim=2)
+    acc_dtype = torch.promote_types(streams.dtype, torch.float32)
+    return streams.view(s, b, n, nc // n).mean(dim=2, dtype=acc_dtype).to(streams.dtype)
 
 
 class StreamContractingNorm(MegatronModule):
-    """The decoder's final norm for an mHC model: contract the streams, then normalise.
+    """The decoder's final norm for an mHC model: normalise the sum of the streams.
 
     Set it as ``TransformerBlockSubmodules.layer_norm`` through :meth:`wrapping`; the
-    block calls it as ``layer_norm(config=, hidden_size=, eps=)``. Input ``[s, b, n*C]``,
-    output ``[s, b, C]``. With ``enable_hyper_connections=False`` it is the plain norm.
-    The wrapped norm's parameters appear as ``final_layernorm.norm.*``.
+    block calls it as ``layer_norm(config=, hidden_size=, eps=)``. Input ``[s, b, n*C]``
+    (stream-major), output ``[s, b, C]``: ``norm_eps(sum_i x_i)``, computed overflow-free
+    as ``norm_{eps/n^2}(mean_i x_i)`` (module docstring). With
+    ``enable_hyper_connections=False`` it is the plain norm. The wrapped norm's parameters
+    appear as ``final_layernorm.norm.*``; ``self.eps`` is the configured epsilon.
     """
 
     def __init__(self, norm, config, hidden_size: int, eps: float = 1e-5):
         super().__init__(config=config)
         self.n = config.num_residual_streams if hyper_connections_enabled(config) else 1
         self.hidden_size = hidden_size
-        self.norm = norm(config=config, hidden_size=hidden_size, eps=eps)
+        self.eps = eps
+        self.norm = norm(config=config, hidden_size=hidden_size, eps=eps / self.n**2)
 
     @classmethod
     def wrapping(cls, norm):
         """A ``layer_norm`` builder that contracts the streams before ``norm``."""
         return functools.partial(cls, norm)
+
+    @staticmethod
+    def is_builder(layer_norm) -> bool:
+        """True if ``layer_norm`` (a block's ``layer_norm`` builder) builds this class."""
+        target = layer_norm.func if isinstance(layer_norm, functools.partial) else layer_norm
+        return isinstance(target, type) and issubclass(target, StreamContractingNorm)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         if self.n > 1:
