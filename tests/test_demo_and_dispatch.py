@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -74,3 +75,33 @@ def test_pre_equals_mappings_then_aggregate():
     torch.testing.assert_close(y, reference.aggregate(x, p2))
     for a, b in zip((h_pre, h_post, h_res), (p2, q2, r2)):
         torch.testing.assert_close(a, b)
+
+
+_LOGGING_SCENARIOS = """
+import logging, os, sys, torch
+from mhc_megatron.kernels import dispatch, select_ops
+
+def scenario(name):
+    dispatch._announced.clear()
+    print("@@" + name, file=sys.stderr, flush=True)
+    select_ops("auto", torch.zeros(2, 4, 8))
+
+os.environ["RANK"] = "1"
+scenario("rank1")                       # rank 0 only
+os.environ["RANK"] = "0"
+scenario("unconfigured")                # no logging configured at all: still shown
+logging.basicConfig(level=logging.WARNING)
+scenario("user-handlers")               # the user's root handler shows it, ours stays quiet
+logging.getLogger("mhc_megatron").setLevel(logging.WARNING)
+scenario("opted-out")
+"""
+
+
+def test_backend_choice_shows_by_default_on_rank0():
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    run = subprocess.run([sys.executable, "-c", _LOGGING_SCENARIOS], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = {part.split("\n", 1)[0]: part.count("mhc_kernel_backend='auto' runs the reference ops "
+                                                "on cpu") for part in run.stderr.split("@@")[1:]}
+    assert said == {"rank1": 0, "unconfigured": 1, "user-handlers": 1, "opted-out": 0}, run.stderr

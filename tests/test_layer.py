@@ -113,11 +113,26 @@ def test_disabled_is_megatron_layer(seeded, device):
     torch.testing.assert_close(layer(x, attention_mask=mask)[0], plain(x, attention_mask=mask)[0])
 
 
-def test_plain_transformer_config_is_accepted_when_off(seeded, device):
+def test_plain_transformer_config_builds_a_plain_layer_with_a_warning(seeded, device):
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                             use_cpu_initialization=True)
-    layer = _layer(cfg, 1, device)
+    with pytest.warns(UserWarning, match=r"plain TransformerConfig: it runs as Megatron's "
+                      r"TransformerLayer, with no hyper-connections\. Fix: .*MHCTransformerConfig"
+                      r"\(enable_hyper_connections=True"):
+        layer = _layer(cfg, 1, device)
     assert isinstance(layer, HyperConnectionTransformerLayer) and not layer.mhc_enabled
+
+
+def test_mhc_config_switched_off_says_so_once(seeded, device, caplog, monkeypatch):
+    from mhc_megatron.layers import transformer_layer
+
+    monkeypatch.setattr(transformer_layer, "_said_mhc_off", False)
+    cfg = tiny_config(enable_hyper_connections=False)
+    with caplog.at_level("INFO", logger="mhc_megatron"):
+        for number in (1, 2):
+            _layer(cfg, number, device)
+    said = [r.getMessage() for r in caplog.records if "enable_hyper_connections=False" in r.getMessage()]
+    assert len(said) == 1 and "plain Megatron TransformerLayers" in said[0]
 
 
 def test_wrong_stream_width_is_a_clear_error(seeded, device):
@@ -125,7 +140,9 @@ def test_wrong_stream_width_is_a_clear_error(seeded, device):
     mask = _mask(device)
     with pytest.raises(ValueError, match=r"residual streams \[s, b, n\*C\].*decoder block spec"):
         _layer(cfg, 2, device)(torch.randn(S, B, cfg.hidden_size, device=device), attention_mask=mask)
-    with pytest.raises(ValueError, match="layer 1 of an mHC decoder expects the embeddings"):
+    with pytest.raises(ValueError, match=r"layer 1 of an mHC decoder expects the embeddings "
+                       r"\[s, b, 32\].*got \(8, 2, 128\)\. Fix: feed layer 1 hidden states of "
+                       r"width hidden_size=32"):
         _layer(cfg, 1, device)(torch.randn(S, B, 4 * cfg.hidden_size, device=device),
                                attention_mask=mask)
 

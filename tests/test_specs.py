@@ -9,7 +9,7 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from helpers import tiny_config
+from helpers import SEQ, batch, build_gpt, tiny_config
 from mhc_megatron.layers import (
     HyperConnectionTransformerLayer,
     HyperConnectionTransformerLayerSubmodules,
@@ -34,8 +34,11 @@ def test_local_layer_spec():
 
 @pytest.mark.skipif(HAVE_TE, reason="checks the error raised when Transformer Engine is missing")
 def test_te_spec_without_te_is_a_clear_error():
-    with pytest.raises(ImportError, match=r"needs transformer_engine.*mhc-megatron\[te\]"):
+    with pytest.raises(ImportError, match=r"needs transformer_engine.*Fix: on a CUDA machine, "
+                       r"install it with `pip install --no-build-isolation "
+                       r"\"transformer_engine\[pytorch\]\"`.*NGC PyTorch container") as err:
         get_gpt_layer_with_mhc_te_spec()
+    assert "mhc-megatron[te]" not in str(err.value)  # not on the package index
     with pytest.raises(ImportError, match="transformer_engine"):
         get_gpt_decoder_block_with_mhc_spec(tiny_config(), use_transformer_engine=True)
 
@@ -105,3 +108,45 @@ def test_plain_layer_spec_is_megatron_layer():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     assert get_gpt_layer_local_spec().module is TransformerLayer
+
+
+def test_layer_spec_passed_as_model_spec_is_refused_at_build(seeded):
+    """GPTModel turns a layer spec into a block with Megatron's plain final norm."""
+    cfg = tiny_config()
+    with pytest.raises(ValueError, match=r"a layer spec was given where a block spec is needed.*"
+                       r"Fix: pass the decoder \*block\* spec, e\.g\. GPTModel\(config, "
+                       r"get_gpt_decoder_block_with_mhc_spec\(config"):
+        build_gpt(cfg, spec=get_gpt_layer_with_mhc_local_spec())
+
+
+def test_hand_made_blocks_are_accepted(seeded):
+    """Our layers in a block of the user's own making: contracting final norm, or none."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+    )
+
+    cfg = tiny_config()
+    layer = get_gpt_layer_with_mhc_local_spec()
+    own = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers,
+                                     layer_norm=StreamContractingNorm.wrapping(WrappedTorchNorm))
+    model = build_gpt(cfg, spec=own)
+    assert isinstance(model.decoder.final_layernorm, StreamContractingNorm)
+    ids, pos, mask, labels = batch()
+    assert torch.isfinite(model(ids, pos, mask, labels=labels)).all()
+    plain_norm = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers,
+                                            layer_norm=WrappedTorchNorm)
+    block = TransformerBlock(cfg, plain_norm, post_layer_norm=False)  # returns the streams
+    x = torch.randn(SEQ, 2, cfg.hidden_size)
+    assert block(x, attention_mask=mask).shape == (SEQ, 2, 4 * cfg.hidden_size)
+
+
+def test_block_spec_with_plain_config_warns(seeded):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                            use_cpu_initialization=True)
+    with pytest.warns(UserWarning, match="no hyper-connections. Fix: build the config with "
+                      "mhc_megatron.config.MHCTransformerConfig"):
+        build_gpt(cfg)

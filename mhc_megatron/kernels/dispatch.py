@@ -10,7 +10,8 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 ``select_ops(backend, x)``: "reference" always runs PyTorch; "triton" runs the fused
 kernels or raises a clear error saying why they cannot run for ``x``; "auto" runs Triton
 where it can (CUDA tensor, supported n and dtype, Triton importable) and the reference
-otherwise, and says which once per (device type, choice) in the log.
+otherwise, and says which once per (device type, choice) at INFO on rank 0 (shown by
+default, see :mod:`mhc_megatron._logging`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable
 
 from torch import Tensor
 
+from mhc_megatron._logging import log_rank0
 from mhc_megatron.config import KERNEL_BACKENDS
 from mhc_megatron.kernels import reference
 
@@ -91,7 +93,7 @@ def select_ops(backend: str, x: Tensor) -> MHCOps:
         return REFERENCE_OPS
     if backend not in ("auto", "triton"):
         raise ValueError(
-            f"mhc_kernel_backend={backend!r} is unknown; use one of {KERNEL_BACKENDS}."
+            f"mhc_kernel_backend={backend!r} is unknown. Fix: use one of {KERNEL_BACKENDS}."
         )
     reason = triton_unsupported_reason(x)
     if backend == "auto" and not x.is_cuda:
@@ -106,6 +108,6 @@ def select_ops(backend: str, x: Tensor) -> MHCOps:
     if key not in _announced:
         _announced.add(key)
         detail = "" if reason is None else f" ({reason})"
-        logger.info("mHC: mhc_kernel_backend=%r runs the %s ops on %s%s",
-                    backend, chosen.name, x.device.type, detail)
+        log_rank0(logger, logging.INFO, "mHC: mhc_kernel_backend=%r runs the %s ops on %s%s",
+                  backend, chosen.name, x.device.type, detail)
     return chosen

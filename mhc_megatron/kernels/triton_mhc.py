@@ -435,9 +435,11 @@ def _splits(blocks: int, length: int, step: int) -> tuple[int, int]:
 
 def _check(x: torch.Tensor, n: int) -> None:
     if n not in SUPPORTED_STREAMS:
-        raise ValueError(f"Triton mHC kernels support n in {SUPPORTED_STREAMS}, got n={n}")
+        raise ValueError(f"Triton mHC kernels support n in {SUPPORTED_STREAMS}, got n={n}. "
+                         "Fix: use mhc_kernel_backend='reference' (or 'auto') for this n.")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}")
+        raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}. "
+                         "Fix: use mhc_kernel_backend='reference' (or 'auto') for this dtype.")
 
 
 class _PreFn(torch.autograd.Function):

@@ -128,7 +128,9 @@ class HyperConnectionModule(MegatronModule):
         if f.shape[:-1] != streams.shape[:-1] or f.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"sublayer output {tuple(f.shape)} does not match the streams "
-                f"{tuple(streams.shape)} (expected [s, b, {self.hidden_size}])."
+                f"{tuple(streams.shape)} (expected [s, b, {self.hidden_size}]). Fix: the "
+                "attention / MLP submodule must return hidden_size-wide outputs for the tokens "
+                "of the streams (as Megatron's do)."
             )
         if training and dropout_prob > 0.0:
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)

@@ -20,22 +20,36 @@ offloading and fused-TP inference are refused by the config.
 from __future__ import annotations
 
 import functools
+import logging
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
 from torch import Tensor
 
+from mhc_megatron._logging import log_rank0
 from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule, StreamMappings
-from mhc_megatron.layers.streams import expand_streams
+from mhc_megatron.layers.streams import StreamContractingNorm, expand_streams
 from mhc_megatron.recompute.manager import manager_for, run_recorded
+
+logger = logging.getLogger(__name__)
+_said_mhc_off = False
+
+BLOCK_SPEC_FIX = (
+    "Fix: pass the decoder *block* spec, e.g. GPTModel(config, "
+    "get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=...), ...), or "
+    "with_mhc_block_spec(your_block_spec); its final norm contracts the n streams"
+)
 
 
 @dataclass
@@ -73,7 +87,10 @@ class _StreamCombine:
         if self._armed is None:
             raise RuntimeError(
                 "mHC combine called outside HyperConnectionTransformerLayer._forward_attention/"
-                "_forward_mlp; a Megatron code path bypassed the mHC hooks."
+                "_forward_mlp; a Megatron code path bypassed the mHC hooks. Fix: turn off the "
+                "feature that runs the sublayers on its own (CUDA graphs, the MoE EP-overlap "
+                "schedule, fused inference paths; the config refuses the known ones) and "
+                "report the Megatron code path."
             )
         streams, mappings = self._armed
         self._armed = None
@@ -93,6 +110,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, *args, **kwargs)
         self.mhc_enabled = hyper_connections_enabled(config)
         if not self.mhc_enabled:
+            _say_mhc_is_off(config)
             return
         if not isinstance(config, MHCTransformerConfig):
             raise TypeError(
@@ -116,6 +134,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection)
         self.mlp_bda = _StreamCombine(self.mlp_hyper_connection)
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
+        _refuse_block_without_stream_contraction(_enclosing_block())
 
     def forward(self, *args, **kwargs):
         """Megatron's forward; with ``mhc_recompute`` inside this layer's recompute block."""
@@ -130,8 +149,10 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if self.expands_streams:
             if hidden_states.shape[-1] != c:
                 raise ValueError(
-                    f"layer 1 of an mHC decoder expects the embeddings [s, b, {c}], got "
-                    f"{tuple(hidden_states.shape)}."
+                    f"layer 1 of an mHC decoder expects the embeddings [s, b, {c}] (it expands "
+                    f"them into the {self.n} streams), got {tuple(hidden_states.shape)}. Fix: "
+                    f"feed layer 1 hidden states of width hidden_size={c}; later layers take "
+                    f"the streams [s, b, {self.n}*{c}]."
                 )
             return run_recorded(expand_streams, hidden_states, self.n)
         return hidden_states
@@ -181,3 +202,59 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 dtype=h.dtype, device=h.device, requires_grad=h.requires_grad,
             )
         return static_inputs
+
+
+def _say_mhc_is_off(config) -> None:
+    """An mHC layer built without mHC: warn for a plain config (a likely mistake), else log."""
+    global _said_mhc_off
+    if not isinstance(config, MHCTransformerConfig):
+        warnings.warn(
+            f"HyperConnectionTransformerLayer built with a plain {type(config).__name__}: it "
+            "runs as Megatron's TransformerLayer, with no hyper-connections. Fix: build the "
+            "config with mhc_megatron.config.MHCTransformerConfig(enable_hyper_connections=True,"
+            " num_residual_streams=...) (MHCMLATransformerConfig for MLA).",
+            UserWarning, stacklevel=2)
+    elif not _said_mhc_off:
+        _said_mhc_off = True
+        log_rank0(logger, logging.INFO, "mHC: enable_hyper_connections=False: mHC layer specs "
+                  "build plain Megatron TransformerLayers (set it True to use mHC)")
+
+
+def _enclosing_block(max_frames: int = 8):
+    """The ``TransformerBlock`` whose ``_build_layers`` is constructing this layer, or None.
+
+    Megatron builds a block's layers inside ``TransformerBlock.__init__`` (``_build_layers``
+    -> ``build_layer`` -> ``build_module`` -> the layer class), where the block is the
+    ``self`` of a frame a few levels up. A layer built on its own (tests, hand-made
+    stacks) finds none. Read-only: nothing of Megatron's is changed.
+    """
+    frame = sys._getframe(2)
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, TransformerBlock):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _refuse_block_without_stream_contraction(block) -> None:
+    """Refuse, at build time, a block whose final norm would get ``[s, b, n*C]`` streams.
+
+    A *layer* spec passed alone to ``GPTModel`` makes Megatron build the block with its plain
+    final norm (``TransformerBlockSubmodules(layer_specs=[spec] * L, layer_norm=LayerNormImpl)``),
+    which would fail in the first forward with torch's ``normalized_shape`` error.
+    """
+    if block is None or not (block.post_process and block.post_layer_norm):
+        return
+    layer_norm = block.submodules.layer_norm
+    if layer_norm is None or StreamContractingNorm.is_builder(layer_norm):
+        return
+    raise ValueError(
+        "mHC layers carry n residual streams [s, b, n*C] to the decoder's final norm, but "
+        f"this TransformerBlock's final norm ({getattr(layer_norm, '__name__', layer_norm)}) "
+        "takes [s, b, C]: a layer spec was given where a block spec is needed (GPTModel "
+        "turns a layer spec into a block with Megatron's plain final norm). " + BLOCK_SPEC_FIX
+        + "."
+    )

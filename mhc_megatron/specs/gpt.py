@@ -30,13 +30,20 @@ from mhc_megatron.layers.transformer_layer import (
 )
 
 
+TE_MISSING = (
+    "The Transformer Engine mHC spec needs transformer_engine, which is not installed (it is "
+    "optional for mhc-megatron, and needs CUDA). Fix: on a CUDA machine, install it with "
+    "`pip install --no-build-isolation \"transformer_engine[pytorch]\"` (builds TE's PyTorch "
+    "extension against your torch; needs the CUDA toolkit and cuDNN), or use an NGC PyTorch "
+    "container, which ships it (https://docs.nvidia.com/deeplearning/transformer-engine/"
+    "user-guide/installation.html). Without TE: get_gpt_layer_with_mhc_local_spec or "
+    "get_gpt_decoder_block_with_mhc_spec(..., use_transformer_engine=False)."
+)
+
+
 def _require_transformer_engine() -> None:
     if importlib.util.find_spec("transformer_engine") is None:
-        raise ImportError(
-            "The Transformer Engine mHC spec needs transformer_engine, which is not installed. "
-            "Fix: `pip install mhc-megatron[te]`, or use get_gpt_layer_with_mhc_local_spec / "
-            "get_gpt_decoder_block_with_mhc_spec(..., use_transformer_engine=False)."
-        )
+        raise ImportError(TE_MISSING)
 
 
 def to_mhc_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
@@ -48,7 +55,9 @@ def to_mhc_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
     if layer_spec.module is not TransformerLayer:
         raise ValueError(
             f"to_mhc_layer_spec: cannot add hyper-connections to {layer_spec.module!r}; only "
-            "megatron.core TransformerLayer specs are supported."
+            "megatron.core TransformerLayer specs are supported. Fix: start from Megatron's "
+            "GPT layer/block specs (get_gpt_layer_local_spec, "
+            "get_gpt_layer_with_transformer_engine_spec, get_gpt_decoder_block_spec)."
         )
     submodules = layer_spec.submodules
     fields = {f.name: getattr(submodules, f.name) for f in dataclasses.fields(submodules)}
