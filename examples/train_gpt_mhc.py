@@ -239,28 +239,54 @@ def report(results: list[RunResult], args) -> str:
 
 
 def plot(results: list[RunResult], path: str, title: str) -> None:
+    """Left: the whole run. Right: the last half, zoomed, with the final values written on it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r, color in zip(results, ("tab:blue", "tab:red")):
-        ax.plot(r.steps, smooth(r.train_loss), color=color, alpha=0.45, lw=1,
-                label=f"{r.name} train (10-step mean)")
-        ax.plot(r.val_steps, r.val_loss, color=color, marker="o", ms=3, lw=2,
-                label=f"{r.name} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, (full, zoom) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = ("tab:blue", "tab:red")
+    for ax in (full, zoom):
+        for r, color in zip(results, colors):
+            ax.plot(r.steps, smooth(r.train_loss), color=color, alpha=0.45, lw=1,
+                    label=f"{r.name} train (10-step mean)")
+            ax.plot(r.val_steps, r.val_loss, color=color, marker="o", ms=3, lw=2,
+                    label=f"{r.name} validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats / byte)")
+        ax.grid(alpha=0.3)
+    full.set_title("whole run", fontsize=10)
+    full.legend()
+
+    half = results[0].steps[len(results[0].steps) // 2]
+    shown = []
+    for r in results:
+        shown += [v for s, v in zip(r.steps, smooth(r.train_loss)) if s >= half]
+        shown += [v for s, v in zip(r.val_steps, r.val_loss) if s >= half]
+    pad = 0.08 * (max(shown) - min(shown) or 1.0)
+    zoom.set_xlim(half, results[0].steps[-1])
+    zoom.set_ylim(min(shown) - pad, max(shown) + pad)
+    zoom.text(0.98, 0.97, "final validation loss", transform=zoom.transAxes, ha="right",
+              va="top", fontsize=9)
+    for k, (r, color) in enumerate(zip(results, colors)):
+        zoom.axhline(r.val_loss[-1], color=color, ls="--", lw=0.8, alpha=0.7)
+        zoom.text(0.98, 0.91 - 0.06 * k, f"{r.name}: {r.val_loss[-1]:.4f}",
+                  transform=zoom.transAxes, ha="right", va="top", color=color, fontsize=9,
+                  fontweight="bold")
+    delta = results[1].val_loss[-1] - results[0].val_loss[-1]
+    zoom.set_title(f"last half, zoomed (dashed: final validation; mHC - baseline = {delta:+.4f})",
+                   fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def main(argv=None):
+    from mhc_megatron.testing import warning_filters
+
+    warning_filters.install()  # the same third-party filters as the test-suite
     args = parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))

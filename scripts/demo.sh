@@ -7,5 +7,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/_venv.sh"
 cd "$ROOT"
-export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 exec python examples/train_gpt_mhc.py "$@"

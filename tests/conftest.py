@@ -16,7 +16,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from mhc_megatron.testing import warning_filters  # noqa: E402
 from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
+
+
+def pytest_configure(config):
+    # The same third-party filters as the demo (scripts/demo.sh); everything else shows.
+    for line in warning_filters.pytest_filter_lines():
+        config.addinivalue_line("filterwarnings", line)
 
 
 @pytest.fixture(scope="session")
