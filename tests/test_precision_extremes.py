@@ -43,7 +43,8 @@ def _final_norm(normalization, n, dtype):
                       params_dtype=dtype, fp16=dtype == torch.float16,
                       bf16=dtype == torch.bfloat16)
     block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
-    norm = block.layer_norm(config=cfg, hidden_size=cfg.hidden_size, eps=1e-5).to(DEV)
+    norm = block.layer_norm(config=cfg, hidden_size=cfg.hidden_size, eps=1e-5)
+    norm = norm.to(DEV, dtype)  # as in a model (Float16Module): CUDA norms refuse mixed dtypes
     with torch.no_grad():  # non-trivial affine parameters
         for p in norm.parameters():
             p.copy_(torch.linspace(0.5, 1.5, p.numel()).view_as(p))

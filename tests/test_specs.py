@@ -119,7 +119,7 @@ def test_layer_spec_passed_as_model_spec_is_refused_at_build(seeded):
         build_gpt(cfg, spec=get_gpt_layer_with_mhc_local_spec())
 
 
-def test_hand_made_blocks_are_accepted(seeded):
+def test_hand_made_blocks_are_accepted(seeded, device):
     """Our layers in a block of the user's own making: contracting final norm, or none."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
@@ -131,14 +131,14 @@ def test_hand_made_blocks_are_accepted(seeded):
     layer = get_gpt_layer_with_mhc_local_spec()
     own = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers,
                                      layer_norm=StreamContractingNorm.wrapping(WrappedTorchNorm))
-    model = build_gpt(cfg, spec=own)
+    model = build_gpt(cfg, device, spec=own)
     assert isinstance(model.decoder.final_layernorm, StreamContractingNorm)
-    ids, pos, mask, labels = batch()
+    ids, pos, mask, labels = batch(device=device)
     assert torch.isfinite(model(ids, pos, mask, labels=labels)).all()
     plain_norm = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers,
                                             layer_norm=WrappedTorchNorm)
-    block = TransformerBlock(cfg, plain_norm, post_layer_norm=False)  # returns the streams
-    x = torch.randn(SEQ, 2, cfg.hidden_size)
+    block = TransformerBlock(cfg, plain_norm, post_layer_norm=False).to(device)  # -> streams
+    x = torch.randn(SEQ, 2, cfg.hidden_size, device=device)
     assert block(x, attention_mask=mask).shape == (SEQ, 2, 4 * cfg.hidden_size)
 
 

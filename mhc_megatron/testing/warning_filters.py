@@ -1,8 +1,9 @@
 """The third-party warnings that the test-suite and the CPU demo hide: one list for both.
 
 On a machine without CUDA, Transformer Engine or Apex, Megatron-Core warns at import and at
-model build that those optional packages are missing, and about one of its own config
-defaults. Those lines say nothing about mHC and repeat on every run, so
+model build that those optional packages are missing, about one of its own config defaults
+and (as DeprecationWarnings) about its own internals. Those lines say nothing about mHC and
+repeat on every run, so
 ``scripts/test.sh`` (through ``tests/conftest.py``) and ``scripts/demo.sh`` (through
 ``examples/train_gpt_mhc.py``) filter exactly these, by message and by Megatron's module.
 Every other warning, mhc_megatron's own included, stays visible in both.
@@ -18,6 +19,12 @@ KNOWN_NOISE = (
     (r"Apex is not installed", UserWarning, r"megatron\."),
     (r"absl\.logging is not installed", UserWarning, r"megatron\."),
     (r"full scope is deprecated", UserWarning, r"megatron\."),
+    # Megatron's notices about its own internals (Python hides DeprecationWarnings of library
+    # modules by default; pytest would show them), and torch's about the checkpoint format
+    # Megatron's distributed checkpoints use.
+    (r"", DeprecationWarning, r"megatron\."),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     r"torch\.distributed\.checkpoint"),
 )
 
 
