@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
+import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
@@ -12,6 +14,12 @@ from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
 
 VOCAB = 64
 SEQ = 16
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+needs_te = pytest.mark.skipif(not (HAVE_TE and torch.cuda.is_available()),
+                              reason="needs Transformer Engine and a CUDA device")
+# Spec families a test runs with: Megatron's local modules everywhere, TE's where installed.
+SPEC_FAMILIES = ["local", pytest.param("te", marks=needs_te)]
 
 
 def tiny_config(**overrides) -> MHCTransformerConfig:
@@ -37,8 +45,8 @@ def moe_overrides() -> dict:
                 moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", add_bias_linear=False)
 
 
-def build_gpt(config, device=None, spec=None) -> GPTModel:
-    spec = spec or get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=False)
+def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:
+    spec = spec or get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=te)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="rope")
     return model.to(device) if device is not None else model

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from helpers import tiny_config
+from helpers import SPEC_FAMILIES, tiny_config
 from mhc_megatron.kernels import reference as ref
 from mhc_megatron.layers import HyperConnectionModule, HyperConnectionTransformerLayer
-from mhc_megatron.specs import get_gpt_layer_with_mhc_local_spec
+from mhc_megatron.specs import get_gpt_layer_with_mhc_local_spec, get_gpt_layer_with_mhc_te_spec
 from mhc_megatron.testing.cpu import setup_cpu_megatron
 
 S, B = 8, 2
@@ -22,8 +25,11 @@ def _mask(device, s=S):
     return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
 
 
-def _layer(config, layer_number, device, mhc=True):
-    spec = get_gpt_layer_with_mhc_local_spec() if mhc else get_gpt_layer_local_spec()
+def _layer(config, layer_number, device, mhc=True, spec_family="local"):
+    if spec_family == "te":
+        spec = get_gpt_layer_with_mhc_te_spec() if mhc else get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_with_mhc_local_spec() if mhc else get_gpt_layer_local_spec()
     return build_module(spec, config=config, layer_number=layer_number).to(device)
 
 
@@ -37,12 +43,14 @@ def _force_unit_mappings(layer):
             hc.bias[1] = 0.0
 
 
+@pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
 @pytest.mark.parametrize("layer_number", [1, 2])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_n1_unit_mappings_equal_plain_layer(seeded, device, layer_number, dropout):
+def test_n1_unit_mappings_equal_plain_layer(seeded, device, layer_number, dropout, spec_family):
+    """n=1 with unit mappings == Megatron's own layer of the same spec family (local or TE)."""
     cfg = tiny_config(num_residual_streams=1, hidden_dropout=dropout, attention_dropout=dropout)
-    mhc = _layer(cfg, layer_number, device)
-    plain = _layer(cfg, layer_number, device, mhc=False)
+    mhc = _layer(cfg, layer_number, device, spec_family=spec_family)
+    plain = _layer(cfg, layer_number, device, mhc=False, spec_family=spec_family)
     assert type(plain).__name__ == "TransformerLayer"
     missing, unexpected = plain.load_state_dict(mhc.state_dict(), strict=False)
     assert not missing and all("hyper_connection" in k for k in unexpected) and unexpected
@@ -72,11 +80,17 @@ def test_n1_unit_mappings_equal_plain_layer(seeded, device, layer_number, dropou
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
 @pytest.mark.parametrize("n,layer_number,add_bias", [(4, 2, True), (4, 1, False), (3, 2, False)])
-def test_layer_equals_reference_composition(seeded, device, n, layer_number, add_bias):
-    """Layer output == reference ops composed by hand around the layer's own submodules."""
+def test_layer_equals_reference_composition(seeded, device, n, layer_number, add_bias,
+                                            spec_family):
+    """Layer output == reference ops composed by hand around the layer's own submodules.
+
+    With the TE spec the input norm is fused into ``linear_qkv`` (``input_layernorm`` is an
+    identity), so the same composition covers it.
+    """
     cfg = tiny_config(num_residual_streams=n, add_bias_linear=add_bias)
-    layer = _layer(cfg, layer_number, device).eval()
+    layer = _layer(cfg, layer_number, device, spec_family=spec_family).eval()
     c = cfg.hidden_size
     width = c if layer_number == 1 else n * c
     x = torch.randn(S, B, width, device=device)

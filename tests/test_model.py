@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SEQ, VOCAB, batch, build_gpt, lm_loss, moe_overrides, tiny_config
+from helpers import (
+    SEQ,
+    SPEC_FAMILIES,
+    VOCAB,
+    batch,
+    build_gpt,
+    lm_loss,
+    moe_overrides,
+    tiny_config,
+)
 from mhc_megatron.config import MHCMLATransformerConfig
 from mhc_megatron.layers import HyperConnectionTransformerLayer, StreamContractingNorm
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
@@ -29,19 +38,21 @@ def _config(kind: str, **kw):
     raise ValueError(kind)
 
 
-def _build(kind, device, **kw):
+def _build(kind, device, spec_family="local", **kw):
     cfg = _config(kind, **kw)
-    spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
-    if cfg.multi_latent_attention:
+    te = spec_family == "te"
+    spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=te)
+    if cfg.multi_latent_attention and not te:  # with TE, MLA runs TE's own attention
         # Megatron's local DotProductAttention cannot serve MLA (k/v head dims differ).
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return cfg, build_gpt(cfg, device, spec=spec)
 
 
+@pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
 @pytest.mark.parametrize("kind", ["dense", "moe", "mla_moe"])
-def test_forward_backward_every_parameter_gets_a_grad(seeded, device, kind):
-    cfg, model = _build(kind, device)
+def test_forward_backward_every_parameter_gets_a_grad(seeded, device, kind, spec_family):
+    cfg, model = _build(kind, device, spec_family)
     layers = model.decoder.layers
     assert all(isinstance(layer, HyperConnectionTransformerLayer) for layer in layers)
     assert isinstance(model.decoder.final_layernorm, StreamContractingNorm)
@@ -58,9 +69,10 @@ def test_forward_backward_every_parameter_gets_a_grad(seeded, device, kind):
             assert p.grad.abs().sum() > 0, f"{name} has an all-zero gradient"
 
 
+@pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
 @pytest.mark.parametrize("kind", ["dense", "moe", "mla_moe"])
-def test_loss_decreases_with_training(seeded, device, kind):
-    cfg, model = _build(kind, device)
+def test_loss_decreases_with_training(seeded, device, kind, spec_family):
+    cfg, model = _build(kind, device, spec_family)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = batch(batch_size=4, device=device, seed=1)
     hc_before = {n: p.detach().clone() for n, p in model.named_parameters() if "hyper" in n}
@@ -88,8 +100,10 @@ def test_streams_shape_through_the_decoder(seeded, device):
     assert seen == [(SEQ, 2, cfg.num_residual_streams * cfg.hidden_size)] * cfg.num_layers
 
 
-def test_bf16_model(seeded, device):
-    cfg, model = _build("dense", device, bf16=True, params_dtype=torch.bfloat16)
+@pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
+@pytest.mark.parametrize("kind", ["dense", "mla_moe"])
+def test_bf16_model(seeded, device, kind, spec_family):
+    cfg, model = _build(kind, device, spec_family, bf16=True, params_dtype=torch.bfloat16)
     loss = lm_loss(model.to(torch.bfloat16), batch(device=device))
     loss.backward()
     assert torch.isfinite(loss)
@@ -97,10 +111,11 @@ def test_bf16_model(seeded, device):
     assert hc.phi.dtype == torch.bfloat16 and torch.isfinite(hc.phi.grad).all()
 
 
-def test_dist_checkpoint_round_trip(seeded, device, tmp_path):
+@pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
+def test_dist_checkpoint_round_trip(seeded, device, tmp_path, spec_family):
     from megatron.core import dist_checkpointing
 
-    cfg, model = _build("moe", device)
+    cfg, model = _build("moe", device, spec_family)
     data = batch(device=device, seed=3)
     model.eval()
     with torch.no_grad():
@@ -110,7 +125,7 @@ def test_dist_checkpoint_round_trip(seeded, device, tmp_path):
     dist_checkpointing.save(sharded, str(tmp_path))
 
     torch.manual_seed(999)
-    _, fresh = _build("moe", device)
+    _, fresh = _build("moe", device, spec_family)
     fresh.eval()
     with torch.no_grad():
         assert not torch.allclose(fresh(*data[:3]), expected)
