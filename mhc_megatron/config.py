@@ -64,7 +64,12 @@ class MHCTransformerConfig(TransformerConfig):
     """Layers per recompute block; None = eq. 20 of the paper, sqrt(n*L/(n+2))."""
 
     def __post_init__(self):
+        # Before Megatron's own checks: where Megatron asserts on the same feature (e.g.
+        # inference_optimized layers), the user sees the mHC refusal and its fix instead.
+        validate_mhc_config(self)
         super().__post_init__()
+        # And after: Megatron derives some fields (cuda_graph_impl from enable_cuda_graph,
+        # the virtual pipeline size from num_layers_per_virtual_pipeline_stage, ...).
         validate_mhc_config(self)
 
     @property

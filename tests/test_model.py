@@ -34,7 +34,7 @@ def _config(kind: str, **kw):
                                      "ffn_hidden_size", "use_cpu_initialization", "params_dtype",
                                      "hidden_dropout", "attention_dropout",
                                      "enable_hyper_connections", "mhc_kernel_backend")}
-        return MHCMLATransformerConfig(**keep, **MLA, **moe_overrides(), **kw)
+        return MHCMLATransformerConfig(**{**keep, **MLA, **moe_overrides(), **kw})
     raise ValueError(kind)
 
 

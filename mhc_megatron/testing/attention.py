@@ -13,7 +13,6 @@ output ``[sq, b, heads*dv]``.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
