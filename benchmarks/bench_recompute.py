@@ -1,8 +1,9 @@
 """GPU benchmark of MHCRecomputeManager: activation memory and step time of a GPTModel decoder.
 
-Configurations, one process, side by side (bf16 params and activations, Triton mHC kernels,
-Megatron's local spec, core attention recomputed by Megatron in every configuration so the
-s^2 attention scores do not drown the residual traffic):
+Configurations, one process, side by side (bf16 params and activations, Triton mHC kernels;
+``--spec local``: Megatron's local modules, core attention recomputed by Megatron in every
+configuration so the s^2 attention scores do not drown the residual traffic; ``--spec te``:
+Transformer Engine's modules and fused attention, nothing recomputed by Megatron):
 
 * ``baseline``: Megatron's own GPT block spec (plain residual);
 * ``mHC``: n=4 hyper-connections, no recompute;
@@ -12,7 +13,7 @@ For each it reports the activation memory saved by forward (allocated after forw
 before; grads are already allocated), the peak during forward+backward over the same
 starting point, and the median forward+backward step time.
 
-    python benchmarks/bench_recompute.py [--layers 8 --hidden 4096 --seq 4096 --mbs 1]
+    python benchmarks/bench_recompute.py [--spec te] [--layers 8 --hidden 4096 --seq 4096 --mbs 1]
 """
 
 from __future__ import annotations
@@ -41,16 +42,18 @@ def build(args, mhc: bool, block: int | None):
     from mhc_megatron.testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(1234)
+    te = args.spec == "te"
+    recompute = {} if te else dict(recompute_granularity="selective",
+                                   recompute_modules=["core_attn"])
     config = MHCTransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16, bf16=True,
-        recompute_granularity="selective", recompute_modules=["core_attn"],
-        enable_hyper_connections=mhc, num_residual_streams=4,
+        **recompute, enable_hyper_connections=mhc, num_residual_streams=4,
         mhc_recompute=block is not None, mhc_recompute_layer_num=block,
     )
     make_spec = get_gpt_decoder_block_with_mhc_spec if mhc else get_gpt_decoder_block_spec
-    spec = make_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    spec = make_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     model = GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq,
                      position_embedding_type="rope").to(args.device)
     return model, config
@@ -130,6 +133,8 @@ def census(model, args, top=8):
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--spec", choices=("local", "te"), default="local",
+                   help="Megatron's local modules (core_attn recomputed) or Transformer Engine's")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
@@ -169,8 +174,9 @@ def main():
     extra_plain = plain["saved_gib"] - base["saved_gib"]
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; GPTModel "
              f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, mbs {args.mbs}, bf16, "
-             "n=4, Triton mHC kernels, core_attn recompute in all runs; median of "
-             f"{args.steps} fwd+bwd steps", "",
+             f"n=4, Triton mHC kernels, {args.spec} spec"
+             + ("" if args.spec == "te" else ", core_attn recompute in all runs")
+             + f"; median of {args.steps} fwd+bwd steps", "",
              "| config | activations after fwd (GiB) | extra over baseline (GiB) | "
              "% of mHC's extra | peak fwd+bwd (GiB) | step (ms) | step / mHC |",
              "|---|---|---|---|---|---|---|"]

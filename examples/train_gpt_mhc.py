@@ -49,9 +49,19 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--corpus-mb", type=float, default=8.0, help="bytes of stdlib source to use")
     p.add_argument("--out", default="out/demo", help="directory for the plot and results")
+    p.add_argument("--spec", choices=("local", "te"), default="local",
+                   help="Megatron's local modules, or Transformer Engine's (needs TE and CUDA)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="fp32",
+                   help="fp32: fp32 weights and math (TF32 matmuls on CUDA); bf16: bf16 weights "
+                        "and activations (Megatron's Float16Module) with fp32 master weights in "
+                        "the optimiser; fp8: bf16 plus Transformer Engine's fp8 GEMMs (delayed "
+                        "scaling, E4M3 forward / E5M2 backward; needs --spec te and an H100/H200). "
+                        "The mHC mapping math is fp32 in all three")
     for key in PRESETS["cpu"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=type(PRESETS["cpu"][key]), default=None)
     args = p.parse_args(argv)
+    if args.precision == "fp8" and args.spec != "te":
+        p.error("--precision fp8 needs --spec te (the fp8 GEMMs are Transformer Engine's)")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     preset = PRESETS[args.preset or ("gpu" if args.device == "cuda" else "cpu")]
@@ -132,22 +142,54 @@ def build_model(mhc: bool, args):
     from mhc_megatron.testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(args.seed)  # same RNG state for both runs
+    low = args.precision in ("bf16", "fp8")
     config = MHCTransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float32, init_method_std=0.02,
-        enable_hyper_connections=mhc, num_residual_streams=args.streams,
+        params_dtype=torch.bfloat16 if low else torch.float32, bf16=low,
+        fp8="hybrid" if args.precision == "fp8" else None, fp8_recipe="delayed",
+        init_method_std=0.02, enable_hyper_connections=mhc, num_residual_streams=args.streams,
     )
+    te = args.spec == "te"
     if mhc:
-        spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=False,
+        spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=te,
                                                    normalization="RMSNorm")
     else:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization="RMSNorm")
     model = GPTModel(config, spec, vocab_size=256, max_sequence_length=args.seq,
-                     position_embedding_type="rope")
-    return model.to(args.device)
+                     position_embedding_type="rope").to(args.device)
+    if low:  # bf16 weights and activations, fp32 logits: what Megatron's training loop does
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+class MasterWeightAdamW:
+    """AdamW on fp32 master copies of bf16 weights (Megatron's mixed-precision optimiser,
+    reduced to one rank): grads are copied up, clipped and applied in fp32, then the bf16
+    weights are refreshed from the masters."""
+
+    def __init__(self, params, clip: float, **adamw):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone() for p in self.params]
+        self.clip = clip
+        self.inner = torch.optim.AdamW(self.master, **adamw)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(self.master, self.clip)
+        self.inner.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
 
 
 # ---------------------------------------------------------------------------- train
@@ -178,10 +220,16 @@ def train(name: str, mhc: bool, args, train_data, val_data) -> RunResult:
 
     model = build_model(mhc, args)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.precision == "fp32":
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        sched_opt = opt
+    else:
+        opt = MasterWeightAdamW(model.parameters(), clip=1.0, **adamw)
+        sched_opt = opt.inner
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+        sched_opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     batches = Batches(train_data, args.seq, args.batch, args.seed, args.device)
     result = RunResult(name, [], [], [], [], 0.0, n_params)
     start = time.time()
@@ -192,7 +240,8 @@ def train(name: str, mhc: bool, args, train_data, val_data) -> RunResult:
         loss = model(ids, batches.position_ids, batches.mask, labels=labels).float().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.precision == "fp32":  # MasterWeightAdamW clips its fp32 masters itself
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         if not math.isfinite(loss.item()):
@@ -299,7 +348,8 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"corpus: {len(corpus) / 1e6:.1f} MB of Python stdlib source (byte tokens); "
           f"device: {device_name}; model: {args.layers} layers x {args.hidden} hidden, "
-          f"seq {args.seq}, batch {args.batch}, {args.steps} steps")
+          f"seq {args.seq}, batch {args.batch}, {args.steps} steps; {args.spec} spec, "
+          f"{args.precision}")
     results = [
         train("baseline", False, args, corpus[:split], corpus[split:]),
         train(f"mHC n={args.streams}", True, args, corpus[:split], corpus[split:]),
@@ -307,7 +357,8 @@ def main(argv=None):
     table = report(results, args)
     print("\n" + table)
     title = (f"Megatron-Core GPT on Python stdlib bytes ({device_name}): residual vs mHC n={args.streams}\n"
-             f"{args.layers}L x {args.hidden}, seq {args.seq}, batch {args.batch}")
+             f"{args.layers}L x {args.hidden}, seq {args.seq}, batch {args.batch}, "
+             f"{args.spec} spec, {args.precision}")
     plot(results, os.path.join(args.out, "loss_curves.png"), title)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"args": vars(args), "device": device_name,

@@ -33,6 +33,23 @@ def test_demo_smoke(megatron_single_rank, tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+def test_demo_bf16_with_master_weights(megatron_single_rank, tmp_path):
+    import train_gpt_mhc
+
+    results = train_gpt_mhc.main(["--preset", "smoke", "--corpus-mb", "2", "--precision", "bf16",
+                                  "--out", str(tmp_path)])
+    for r in results:
+        assert all(math.isfinite(v) for v in r.train_loss) and r.val_loss[-1] < math.log(256)
+
+
+def test_demo_fp8_needs_transformer_engine_spec(capsys):
+    import train_gpt_mhc
+
+    with pytest.raises(SystemExit):
+        train_gpt_mhc.parse_args(["--precision", "fp8"])
+    assert "--precision fp8 needs --spec te" in capsys.readouterr().err
+
+
 def test_reference_backend():
     assert select_ops("reference", torch.zeros(2, 4, 8)) is REFERENCE_OPS
 

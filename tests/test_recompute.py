@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import batch, build_gpt, lm_loss, moe_overrides, tiny_config
+from helpers import batch, build_gpt, lm_loss, moe_overrides, needs_te, tiny_config
 
 from mhc_megatron.recompute import MHCRecomputeManager, manager_for
 from mhc_megatron.testing.cpu import setup_cpu_megatron
@@ -16,9 +16,9 @@ LAYERS = 4
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _grads(cfg, seed=7, data_seed=3):
+def _grads(cfg, seed=7, data_seed=3, te=False):
     setup_cpu_megatron(seed=seed)
-    model = build_gpt(cfg, DEV)
+    model = build_gpt(cfg, DEV, te=te)
     loss = lm_loss(model, batch(device=DEV, seed=data_seed))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
@@ -160,3 +160,19 @@ def test_with_megatron_moe_recompute(megatron_single_rank):
                  num_layers=3, **moe_overrides())
     _assert_same(_grads(tiny_config(**extra)),
                  _grads(tiny_config(mhc_recompute=True, mhc_recompute_layer_num=2, **extra)))
+
+
+@needs_te
+@pytest.mark.parametrize("mhc_recompute", [False, True])
+def test_te_layernorm_recompute(megatron_single_rank, mhc_recompute):
+    """TE spec, MoE layers (whose pre-MLP norm is a standalone TENorm, so Megatron's
+    "layernorm" recompute applies to it; the attention norm is fused into linear_qkv), with
+    and without our cross-layer recompute: gradients equal the run without any recompute."""
+    extra = dict(num_layers=3, **moe_overrides())
+    plain = _grads(tiny_config(**extra), te=True)
+    cfg = tiny_config(recompute_granularity="selective", recompute_modules=["layernorm"],
+                      mhc_recompute=mhc_recompute, mhc_recompute_layer_num=2, **extra)
+    recomputed = _grads(cfg, te=True)
+    layers = recomputed[2].decoder.layers
+    assert all(layer.recompute_pre_mlp_layernorm for layer in layers)
+    _assert_same(plain, recomputed)
