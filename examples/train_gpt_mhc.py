@@ -206,6 +206,7 @@ class RunResult:
 
 def evaluate(model, val: Batches, batches: int = 8) -> float:
     model.eval()
+    model.set_is_first_microbatch()  # fp8: weights re-quantised after the last optimiser step
     losses = []
     with torch.no_grad():
         for _ in range(batches):
@@ -237,6 +238,9 @@ def train(name: str, mhc: bool, args, train_data, val_data) -> RunResult:
                mininterval=1.0)
     for step in bar:
         ids, labels = batches.next()
+        # fp8: TE caches its fp8 weights between micro-batches; Megatron's schedule marks each
+        # step's first one so they are re-quantised after the optimiser step (no-op otherwise).
+        model.set_is_first_microbatch()
         loss = model(ids, batches.position_ids, batches.mask, labels=labels).float().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -16,14 +16,18 @@ from mhc_megatron.kernels import REFERENCE_OPS, dispatch, reference, select_ops
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 
 
-def test_demo_smoke(megatron_single_rank, tmp_path):
+@pytest.fixture
+def demo(megatron_single_rank):
+    """The demo module; its main() enables TF32 on CUDA, restored for the tests after it."""
     import train_gpt_mhc
 
-    tf32 = torch.backends.cuda.matmul.allow_tf32  # the demo enables TF32 on CUDA
-    try:
-        results = train_gpt_mhc.main(["--preset", "smoke", "--corpus-mb", "2", "--out", str(tmp_path)])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    yield train_gpt_mhc
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def test_demo_smoke(demo, tmp_path):
+    results = demo.main(["--preset", "smoke", "--corpus-mb", "2", "--out", str(tmp_path)])
     assert [r.name for r in results] == ["baseline", "mHC n=4"]
     for r in results:
         assert len(r.train_loss) == 6 and all(math.isfinite(v) for v in r.train_loss)
@@ -33,20 +37,16 @@ def test_demo_smoke(megatron_single_rank, tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
-def test_demo_bf16_with_master_weights(megatron_single_rank, tmp_path):
-    import train_gpt_mhc
-
-    results = train_gpt_mhc.main(["--preset", "smoke", "--corpus-mb", "2", "--precision", "bf16",
-                                  "--out", str(tmp_path)])
+def test_demo_bf16_with_master_weights(demo, tmp_path):
+    results = demo.main(["--preset", "smoke", "--corpus-mb", "2", "--precision", "bf16",
+                         "--out", str(tmp_path)])
     for r in results:
         assert all(math.isfinite(v) for v in r.train_loss) and r.val_loss[-1] < math.log(256)
 
 
-def test_demo_fp8_needs_transformer_engine_spec(capsys):
-    import train_gpt_mhc
-
+def test_demo_fp8_needs_transformer_engine_spec(demo, capsys):
     with pytest.raises(SystemExit):
-        train_gpt_mhc.parse_args(["--precision", "fp8"])
+        demo.parse_args(["--precision", "fp8"])
     assert "--precision fp8 needs --spec te" in capsys.readouterr().err
 
 

@@ -73,3 +73,25 @@ def test_fp8_gemms_around_bf16_streams_and_fp32_mappings(seeded, device, monkeyp
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         if "hyper_connection" in name:
             assert p.grad.abs().sum() > 0, name
+
+
+def test_fp8_model_trains_like_bf16(seeded, device):
+    """A few AdamW steps (fp8 weights re-quantised each step, as Megatron's schedule does):
+    the fp8 mHC model's loss falls like the bf16 one's."""
+    _fp8_supported()
+    data = batch(batch_size=4, device=device, seed=1)
+    finals = {}
+    for name, extra in (("bf16", {}), ("fp8", dict(fp8="hybrid", fp8_recipe="delayed"))):
+        model = _bf16_model(tiny_config(**FP8_DIMS, **extra), device)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(10):
+            model.set_is_first_microbatch()
+            opt.zero_grad()
+            loss = lm_loss(model, data)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[-1] < 0.8 * losses[0], (name, losses)
+        finals[name] = losses[-1]
+    assert abs(finals["fp8"] - finals["bf16"]) < 0.05 * finals["bf16"], finals

@@ -16,6 +16,11 @@ import sys
 
 import torch
 
+# These ranks are CPU processes over gloo, also on a GPU host. Megatron's Transformer Engine
+# code paths are CUDA-only (its MoE router runs TE's GEMM whenever TE is importable), so TE
+# is hidden from this process: Megatron's local modules are what this test runs.
+sys.modules["transformer_engine"] = None
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helpers import batch, build_gpt, lm_loss, moe_overrides, sequence_parallel_capable_spec, tiny_config  # noqa: E402
