@@ -33,7 +33,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.mhc-stamp" 2>/dev/null)" != "
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test,demo]" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -c "import mhc_megatron, megatron.core, torch, pytest" \
+  "$VENV/bin/python" -W ignore -c "import mhc_megatron, megatron.core, torch, pytest" \
     || { echo "error: installing mhc-megatron into $VENV failed" >&2; exit 1; }
   echo "$stamp" > "$VENV/.mhc-stamp"
 fi
