@@ -59,6 +59,9 @@ def parse_args(argv=None):
                         "The mHC mapping math is fp32 in all three")
     for key in PRESETS["cpu"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=type(PRESETS["cpu"][key]), default=None)
+    p.add_argument("--mhc-params", choices=("fp32", "params"), default="fp32",
+                   help="storage of the mHC mapping parameters: fp32 (mhc_params_dtype's "
+                        "default) or the model's params_dtype (bf16 with --precision bf16/fp8)")
     args = p.parse_args(argv)
     if args.precision == "fp8" and args.spec != "te":
         p.error("--precision fp8 needs --spec te (the fp8 GEMMs are Transformer Engine's)")
@@ -150,6 +153,7 @@ def build_model(mhc: bool, args):
         params_dtype=torch.bfloat16 if low else torch.float32, bf16=low,
         fp8="hybrid" if args.precision == "fp8" else None, fp8_recipe="delayed",
         init_method_std=0.02, enable_hyper_connections=mhc, num_residual_streams=args.streams,
+        mhc_params_dtype=torch.float32 if args.mhc_params == "fp32" else None,
     )
     te = args.spec == "te"
     if mhc:
@@ -362,7 +366,7 @@ def main(argv=None):
     print("\n" + table)
     title = (f"Megatron-Core GPT on Python stdlib bytes ({device_name}): residual vs mHC n={args.streams}\n"
              f"{args.layers}L x {args.hidden}, seq {args.seq}, batch {args.batch}, "
-             f"{args.spec} spec, {args.precision}")
+             f"{args.spec} spec, {args.precision}, mHC params {args.mhc_params}")
     plot(results, os.path.join(args.out, "loss_curves.png"), title)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"args": vars(args), "device": device_name,

@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 KERNEL_BACKENDS = ("auto", "triton", "reference")
+PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, None)
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -62,6 +64,12 @@ class MHCTransformerConfig(TransformerConfig):
 
     mhc_recompute_layer_num: Optional[int] = None
     """Layers per recompute block; None = eq. 20 of the paper, sqrt(n*L/(n+2))."""
+
+    mhc_params_dtype: Optional[torch.dtype] = torch.float32
+    """Storage dtype of the mapping parameters (phi, alpha, bias). fp32 (default, as
+    Megatron-LM's in-tree mHC): they stay fp32 through Float16Module and any model-wide
+    dtype cast, so the H_res logits are never bf16-rounded; Megatron's DDP and optimisers
+    keep fp32 parameters as they are. None: follow ``params_dtype`` like every other weight."""
 
     def __post_init__(self):
         # Before Megatron's own checks: where Megatron asserts on the same feature (e.g.
@@ -113,6 +121,9 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     eps = config.mhc_rms_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         _fail("mhc_rms_eps", f"must be a float > 0, got {eps!r}", "use e.g. 1e-6")
+    if config.mhc_params_dtype not in PARAMS_DTYPES:
+        _fail("mhc_params_dtype", f"must be one of {PARAMS_DTYPES}, got {config.mhc_params_dtype!r}",
+              "use torch.float32 (the default) or None to follow params_dtype")
     if config.mhc_kernel_backend not in KERNEL_BACKENDS:
         _fail("mhc_kernel_backend", f"unknown backend {config.mhc_kernel_backend!r}",
               f"use one of {KERNEL_BACKENDS}")

@@ -18,8 +18,8 @@ def test_defaults_and_subclassing():
     cfg = MHCTransformerConfig(**BASE)
     assert isinstance(cfg, TransformerConfig)
     assert (cfg.num_residual_streams, cfg.mhc_sinkhorn_iterations, cfg.mhc_init_gating_factor,
-            cfg.mhc_kernel_backend, cfg.mhc_recompute, cfg.mhc_recompute_layer_num) == (
-        4, 20, 0.01, "auto", False, None)
+            cfg.mhc_kernel_backend, cfg.mhc_recompute, cfg.mhc_recompute_layer_num,
+            cfg.mhc_params_dtype) == (4, 20, 0.01, "auto", False, None, torch.float32)
     replaced = dataclasses.replace(cfg, num_residual_streams=2)
     assert type(replaced) is MHCTransformerConfig and replaced.num_residual_streams == 2
     with pytest.raises(ValueError, match="num_residual_streams"):
@@ -58,6 +58,8 @@ REFUSED = {
     "layer_num_zero": (dict(mhc_recompute_layer_num=0), "mhc_recompute_layer_num"),
     "layer_num_negative": (dict(mhc_recompute_layer_num=-2), "mhc_recompute_layer_num"),
     "layer_num_bool": (dict(mhc_recompute_layer_num=True), "mhc_recompute_layer_num"),
+    "params_dtype_int": (dict(mhc_params_dtype=torch.int32), "mhc_params_dtype"),
+    "params_dtype_str": (dict(mhc_params_dtype="fp32"), "mhc_params_dtype"),
     "mlp_recompute_with_mhc_recompute": (
         dict(mhc_recompute=True, recompute_granularity="selective", recompute_modules=["mlp"]),
         "recompute_modules"),

@@ -102,13 +102,25 @@ def test_streams_shape_through_the_decoder(seeded, device):
 
 @pytest.mark.parametrize("spec_family", SPEC_FAMILIES)
 @pytest.mark.parametrize("kind", ["dense", "mla_moe"])
-def test_bf16_model(seeded, device, kind, spec_family):
-    cfg, model = _build(kind, device, spec_family, bf16=True, params_dtype=torch.bfloat16)
-    loss = lm_loss(model.to(torch.bfloat16), batch(device=device))
+@pytest.mark.parametrize("mhc_params_dtype", [torch.float32, None])
+def test_bf16_model(seeded, device, kind, spec_family, mhc_params_dtype):
+    """Megatron's Float16Module makes weights and activations bf16; the mapping parameters
+    (and their grads) stay in mhc_params_dtype (fp32 by default), or follow params_dtype."""
+    from megatron.core.transformer.module import Float16Module
+
+    cfg, model = _build(kind, device, spec_family, bf16=True, params_dtype=torch.bfloat16,
+                        mhc_params_dtype=mhc_params_dtype)
+    model = Float16Module(cfg, model)
+    loss = lm_loss(model, batch(device=device))
     loss.backward()
     assert torch.isfinite(loss)
-    hc = model.decoder.layers[1].self_attention_hyper_connection
-    assert hc.phi.dtype == torch.bfloat16 and torch.isfinite(hc.phi.grad).all()
+    hc_dtype = mhc_params_dtype or torch.bfloat16
+    for name, p in model.named_parameters():
+        want = hc_dtype if "hyper_connection" in name else torch.bfloat16
+        assert p.dtype == want and p.grad.dtype == want, (name, p.dtype, p.grad.dtype)
+        assert torch.isfinite(p.grad).all(), name
+    model.to(device)  # a device move keeps the pinned dtype
+    assert model.module.decoder.layers[1].mlp_hyper_connection.phi.dtype == hc_dtype
 
 
 @pytest.mark.parametrize("spec_family", SPEC_FAMILIES)

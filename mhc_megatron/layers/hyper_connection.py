@@ -62,8 +62,9 @@ class HyperConnectionModule(MegatronModule):
       * ``bias``  ``[m]``       static mapping, see :func:`initial_mapping_bias`.
     They are replicated on every tensor-parallel rank and tagged ``sequence_parallel``
     like Megatron's norm weights, so under sequence parallelism (each TP rank sees other
-    tokens) ``finalize_model_grads`` sums their gradients over the TP group. The math runs
-    in fp32 whatever the parameter and activation dtypes.
+    tokens) ``finalize_model_grads`` sums their gradients over the TP group. They are stored
+    in ``config.mhc_params_dtype`` (fp32 by default, kept through model-wide dtype casts;
+    see :meth:`_apply`). The math runs in fp32 whatever the parameter and activation dtypes.
     """
 
     def __init__(self, config, hidden_size: int | None = None):
@@ -72,7 +73,8 @@ class HyperConnectionModule(MegatronModule):
         self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
         m = num_mapping_coefficients(self.n)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        kwargs = dict(device=device, dtype=config.params_dtype)
+        self.params_dtype = getattr(config, "mhc_params_dtype", None)
+        kwargs = dict(device=device, dtype=self.params_dtype or config.params_dtype)
         self.phi = torch.nn.Parameter(torch.empty(m, self.n * self.hidden_size, **kwargs))
         self.alpha = torch.nn.Parameter(torch.empty(3, **kwargs))
         self.bias = torch.nn.Parameter(torch.empty(m, **kwargs))
@@ -80,6 +82,20 @@ class HyperConnectionModule(MegatronModule):
             self.reset_parameters()
         for p in (self.phi, self.alpha, self.bias):
             p.sequence_parallel = config.sequence_parallel
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply as usual; dtype casts of the model (``Float16Module``'s
+        ``.bfloat16()``, ``model.to(dtype)``, ``.half()``) leave the mapping parameters (and
+        their grads) in ``mhc_params_dtype`` when that is set."""
+        pinned = self.params_dtype
+        if pinned is None:
+            return super()._apply(fn, recurse)
+
+        def keep_dtype(t):
+            out = fn(t)
+            return out.to(pinned) if out.is_floating_point() and out.dtype != pinned else out
+
+        return super()._apply(keep_dtype, recurse)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
