@@ -1,0 +1,27 @@
+"""mHC from Megatron's own training loop (``megatron.training``, shipped in the megatron-core wheel).
+
+Both of Megatron-Core 0.19's entry styles:
+
+* argparse: ``args = parse_and_validate_args(extra_args_provider=add_mhc_arguments)``, then
+  ``model_cfg = mhc_gpt_model_config_from_args(args)`` and Megatron's own
+  ``pretrain_cfg_container_from_args(args, model_cfg)`` / ``pretrain(...)``;
+* config container: ``GPTModelConfig(transformer=MHCTransformerConfig(...),
+  transformer_layer_spec=mhc_block_spec, ...)``.
+
+``examples/pretrain_gpt_mhc.py`` is a complete pretraining script built on these.
+"""
+
+from mhc_megatron.training.arguments import add_mhc_arguments, apply_mhc_argument_aliases
+from mhc_megatron.training.config import (
+    mhc_gpt_model_config_from_args,
+    mhc_transformer_config_from_args,
+)
+from mhc_megatron.training.spec import mhc_block_spec
+
+__all__ = [
+    "add_mhc_arguments",
+    "apply_mhc_argument_aliases",
+    "mhc_block_spec",
+    "mhc_gpt_model_config_from_args",
+    "mhc_transformer_config_from_args",
+]

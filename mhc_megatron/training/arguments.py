@@ -1,0 +1,79 @@
+"""The mHC command-line flags, for Megatron's ``extra_args_provider``.
+
+Every flag's ``dest`` is the name of an :class:`~mhc_megatron.config.MHCTransformerConfig`
+field, so Megatron's ``core_transformer_config_from_args`` copies it into the config (it
+copies every args attribute named like a config field); defaults are the config's own.
+Megatron-LM's in-tree mHC spellings are accepted too, so its users can switch without edits:
+``--enable-mhc-connections``, ``--mhc-num-residual-streams`` and ``mhc`` in
+``--recompute-modules`` (see :func:`apply_mhc_argument_aliases`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from mhc_megatron.config import KERNEL_BACKENDS, MHCTransformerConfig
+
+MHC_RECOMPUTE_MODULE = "mhc"  # Megatron-LM's in-tree name in --recompute-modules
+_PARAMS_DTYPES = {"fp32": torch.float32, "params": None}
+
+
+def _default(field: str):
+    return {f.name: f.default for f in dataclasses.fields(MHCTransformerConfig)}[field]
+
+
+def _params_dtype(value: str):
+    try:
+        return _PARAMS_DTYPES[value]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"--mhc-params-dtype: {value!r} is not one of {sorted(_PARAMS_DTYPES)}") from None
+
+
+def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the mHC flags to Megatron's parser; returns it (``extra_args_provider`` contract)."""
+    g = parser.add_argument_group("mHC (manifold-constrained hyper-connections, mhc-megatron)")
+    g.add_argument("--enable-hyper-connections", "--enable-mhc-connections",
+                   dest="enable_hyper_connections", action="store_true",
+                   help="Turn mHC on: n residual streams mixed by doubly stochastic H_res.")
+    g.add_argument("--num-residual-streams", "--mhc-num-residual-streams",
+                   dest="num_residual_streams", type=int,
+                   default=_default("num_residual_streams"),
+                   help="n, the number of residual streams (the paper uses 4).")
+    g.add_argument("--mhc-sinkhorn-iterations", type=int,
+                   default=_default("mhc_sinkhorn_iterations"),
+                   help="Sinkhorn-Knopp iterations that make H_res doubly stochastic.")
+    g.add_argument("--mhc-init-gating-factor", type=float,
+                   default=_default("mhc_init_gating_factor"),
+                   help="Initial alpha_pre / alpha_post / alpha_res.")
+    g.add_argument("--mhc-rms-eps", type=float, default=_default("mhc_rms_eps"),
+                   help="Epsilon of the fp32 RMS of the flattened streams.")
+    g.add_argument("--mhc-kernel-backend", choices=KERNEL_BACKENDS,
+                   default=_default("mhc_kernel_backend"),
+                   help="auto: fused Triton kernels on CUDA, else the PyTorch reference.")
+    g.add_argument("--mhc-recompute", action="store_true",
+                   help="Cross-layer recompute of the mHC activations (also: 'mhc' in "
+                        "--recompute-modules).")
+    g.add_argument("--mhc-recompute-layer-num", type=int,
+                   default=_default("mhc_recompute_layer_num"),
+                   help="Layers per mHC recompute block (default: eq. 20 of the paper).")
+    g.add_argument("--mhc-params-dtype", type=_params_dtype, default=_default("mhc_params_dtype"),
+                   metavar="{fp32,params}",
+                   help="Storage of the mapping parameters: fp32 (default) or --params-dtype.")
+    return parser
+
+
+def apply_mhc_argument_aliases(args: argparse.Namespace) -> argparse.Namespace:
+    """Fold Megatron-LM's ``mhc`` entry of ``--recompute-modules`` into ``mhc_recompute``.
+
+    Megatron's own config would refuse ``mhc`` among the recompute modules, and its training
+    loop reads ``args``, so the entry is removed from ``args`` itself. Idempotent.
+    """
+    modules = getattr(args, "recompute_modules", None)
+    if modules and MHC_RECOMPUTE_MODULE in modules:
+        args.recompute_modules = [m for m in modules if m != MHC_RECOMPUTE_MODULE] or None
+        args.mhc_recompute = True
+    return args

@@ -1,0 +1,137 @@
+"""The mHC flags in Megatron's own argument parser, and args -> configs through Megatron's
+``argument_utils`` (no training here; the pretraining runs are in test_pretrain_example.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from mhc_megatron.config import MHCMLATransformerConfig, MHCTransformerConfig
+from mhc_megatron.training import (
+    add_mhc_arguments,
+    mhc_block_spec,
+    mhc_gpt_model_config_from_args,
+    mhc_transformer_config_from_args,
+)
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--train-iters", "4", "--eval-interval", "10", "--transformer-impl", "local",
+        "--no-persist-layer-norm", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
+        "--mock-data"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+       "--normalization", "RMSNorm"]
+
+
+def _args(*flags, monkeypatch):
+    """Megatron's parse + validate with our extra args (without its global-state set-up)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *TINY, *flags])
+    monkeypatch.setenv("RANK", "0")  # what torchrun sets; Megatron warns without it
+    args = parse_args(extra_args_provider=add_mhc_arguments)
+    validate_args(args)
+    return args
+
+
+def test_defaults_are_the_config_defaults(monkeypatch):
+    args = _args(monkeypatch=monkeypatch)
+    config = mhc_transformer_config_from_args(args)
+    default = MHCTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    for name in ("enable_hyper_connections", "num_residual_streams", "mhc_sinkhorn_iterations",
+                 "mhc_init_gating_factor", "mhc_rms_eps", "mhc_kernel_backend", "mhc_recompute",
+                 "mhc_recompute_layer_num", "mhc_params_dtype"):
+        assert getattr(config, name) == getattr(default, name), name
+
+
+def test_flags_reach_the_config(monkeypatch):
+    args = _args("--enable-hyper-connections", "--num-residual-streams", "2",
+                 "--mhc-sinkhorn-iterations", "7", "--mhc-init-gating-factor", "0.05",
+                 "--mhc-rms-eps", "1e-5", "--mhc-kernel-backend", "reference", "--mhc-recompute",
+                 "--mhc-recompute-layer-num", "3", "--mhc-params-dtype", "params",
+                 monkeypatch=monkeypatch)
+    c = mhc_transformer_config_from_args(args)
+    assert type(c) is MHCTransformerConfig
+    assert (c.enable_hyper_connections, c.num_residual_streams, c.mhc_sinkhorn_iterations,
+            c.mhc_init_gating_factor, c.mhc_rms_eps, c.mhc_kernel_backend, c.mhc_recompute,
+            c.mhc_recompute_layer_num, c.mhc_params_dtype) == (
+        True, 2, 7, 0.05, 1e-5, "reference", True, 3, None)
+    assert c.hidden_size == 64 and c.num_layers == 2  # Megatron's own flags still apply
+
+
+def test_megatron_lm_in_tree_names_are_aliases(monkeypatch):
+    args = _args("--enable-mhc-connections", "--mhc-num-residual-streams", "2",
+                 "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mhc",
+                 monkeypatch=monkeypatch)
+    c = mhc_transformer_config_from_args(args)
+    assert c.enable_hyper_connections and c.num_residual_streams == 2
+    assert c.mhc_recompute and c.recompute_modules == ["core_attn"]
+    assert args.recompute_modules == ["core_attn"]  # the training loop reads args too
+
+
+def test_mla_flags_give_the_mhc_mla_config(monkeypatch):
+    import megatron.core.transformer as mct
+
+    before = mct.MLATransformerConfig
+    c = mhc_transformer_config_from_args(_args("--enable-hyper-connections", *MLA,
+                                               monkeypatch=monkeypatch))
+    assert type(c) is MHCMLATransformerConfig and c.multi_latent_attention
+    assert c.enable_hyper_connections and c.q_lora_rank == 16
+    assert mct.MLATransformerConfig is before  # the scoped swap is undone
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--num-residual-streams", "0"], "num_residual_streams"),
+    (["--mhc-sinkhorn-iterations", "0"], "mhc_sinkhorn_iterations"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], "recompute_granularity"),
+])
+def test_bad_flags_get_the_config_refusal(monkeypatch, flags, field):
+    args = _args("--enable-hyper-connections", *flags, monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match=rf"mHC config: {field}.*Fix: "):
+        mhc_transformer_config_from_args(args)
+
+
+def test_bad_params_dtype_is_an_argparse_error(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _args("--mhc-params-dtype", "fp64", monkeypatch=monkeypatch)
+    assert "--mhc-params-dtype: 'fp64' is not one of" in capsys.readouterr().err
+
+
+def test_gpt_model_config_uses_the_mhc_block_spec(monkeypatch, megatron_single_rank):
+    from mhc_megatron.layers import HyperConnectionTransformerLayer, StreamContractingNorm
+
+    args = _args("--enable-hyper-connections", monkeypatch=monkeypatch)
+    model_cfg = mhc_gpt_model_config_from_args(args)
+    assert model_cfg.transformer_layer_spec is mhc_block_spec
+    assert isinstance(model_cfg.transformer, MHCTransformerConfig)
+    block = mhc_block_spec(model_cfg)
+    assert all(s.module is HyperConnectionTransformerLayer for s in block.layer_specs)
+    norm = block.layer_norm(config=model_cfg.transformer, hidden_size=64, eps=1e-5)
+    assert isinstance(norm, StreamContractingNorm) and norm.n == 4
+
+
+def test_config_container_style(megatron_single_rank):
+    """GPTModelConfig(transformer=MHCTransformerConfig(...), transformer_layer_spec=mhc_block_spec)
+    built by Megatron's own GPTModelBuilder."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelConfig
+
+    from mhc_megatron.layers import HyperConnectionTransformerLayer
+
+    transformer = MHCTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                       use_cpu_initialization=True, enable_hyper_connections=True,
+                                       mhc_kernel_backend="reference", transformer_impl="local")
+    model_cfg = GPTModelConfig(transformer=transformer, transformer_layer_spec=mhc_block_spec,
+                               vocab_size=128, seq_length=32)
+    model = model_cfg.get_builder_cls()(model_cfg).build_model(
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert all(isinstance(layer, HyperConnectionTransformerLayer) and layer.mhc_enabled
+               for layer in model.decoder.layers)
+    ids = torch.randint(0, 128, (2, 32))
+    pos = torch.arange(32).expand(2, 32)
+    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), 1)[None, None]
+    assert model(ids, pos, mask).shape == (2, 32, 128)
