@@ -1,0 +1,130 @@
+"""Pretrain a GPT with Megatron's own training loop; mHC is switched on by flags.
+
+    python examples/prepare_stdlib_corpus.py out/data/stdlib
+    torchrun --nproc-per-node=N examples/pretrain_gpt_mhc.py <Megatron's flags> \\
+        --data-path out/data/stdlib --split 98,1,1 --tokenizer-type NullTokenizer \\
+        --vocab-size 257 --enable-hyper-connections [--num-residual-streams 4 ...]
+
+Everything is Megatron's: ``parse_and_validate_args``, ``pretrain`` (DDP, the distributed
+optimiser, LR schedule, grad clipping, logging, checkpoint save/resume), the GPT dataset.
+mhc-megatron adds its flags (``add_mhc_arguments``), the mHC transformer config and the
+decoder-block spec (``mhc_gpt_model_config_from_args``). Without ``--enable-hyper-connections``
+the same script trains the baseline (the mHC spec with mHC off is Megatron's own layer).
+
+Data: any Megatron indexed dataset with its tokenizer, e.g. the Python standard library as
+bytes (``examples/prepare_stdlib_corpus.py``, Megatron's ``NullTokenizer``), or ``--mock-data``.
+
+Without CUDA the script installs ``mhc_megatron.testing.cpu_training`` (CPU test support for
+CI and smoke runs, with gloo and Megatron's local modules: pass ``--transformer-impl local
+--no-persist-layer-norm --no-gradient-accumulation-fusion --distributed-backend gloo
+--no-rope-fusion``); it is not a way to train.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def skip_megatron_helper_build() -> None:
+    """megatron-core wheels ship the compiled dataset helpers but not their Makefile, and
+    ``initialize_megatron`` always runs ``make`` there, exiting the process when it fails.
+    Skip that build where the compiled helpers import and no Makefile exists."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    if not os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        dataset_utils.compile_helpers = lambda: None
+
+
+def example_arguments(parser):
+    from mhc_megatron.training import add_mhc_arguments
+
+    add_mhc_arguments(parser)
+    g = parser.add_argument_group("pretrain_gpt_mhc.py")
+    g.add_argument("--log-micro-batch-loss", action="store_true",
+                   help="print every micro-batch's loss on rank 0 (exact per-step losses for "
+                        "tests; Megatron's own log averages since its last reset)")
+    return parser
+
+
+def forward_step(data_iterator, model, return_schedule_plan=False):
+    """One micro-batch: ``(per-token losses, loss_func)`` as Megatron's schedules expect."""
+    from megatron.training import get_args
+
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens, labels, loss_mask, position_ids = (
+        batch[k].to(device) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    log_micro_batch = get_args().log_micro_batch_loss
+    phase = "train" if model.training else "eval"
+
+    def loss_func(output_tensor):
+        losses = output_tensor.view(-1).float()
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        if log_micro_batch and torch.distributed.get_rank() == 0:
+            print(f"[micro-batch loss] {phase} {float(loss / num_tokens):.10f}", flush=True)
+        report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+        return loss, num_tokens, report
+
+    return output, loss_func
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPT datasets (every rank builds its own loader)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True,
+                                         config).build()
+
+
+datasets_provider.is_distributed = True
+
+
+def main():
+    if not torch.cuda.is_available():
+        from mhc_megatron.testing import cpu_training
+
+        cpu_training.install()
+    skip_megatron_helper_build()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from mhc_megatron.training import mhc_gpt_model_config_from_args
+
+    args = parse_and_validate_args(extra_args_provider=example_arguments)
+    model_cfg = mhc_gpt_model_config_from_args(args)  # the config's refusals fire here
+    pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
+
+
+if __name__ == "__main__":
+    main()
