@@ -1,0 +1,186 @@
+"""examples/pretrain_gpt_mhc.py: Megatron's own training loop with the mHC flags, end to end.
+
+Every run is a fresh ``torchrun`` of the example. Here (CI) the ranks are CPU processes over
+gloo (``mhc_megatron.testing.cpu_training``); the ``cuda`` variants run the same checks over
+NCCL on GPUs and are skipped with fewer than 2 CUDA devices. Data: the stdlib corpus written
+by ``examples/prepare_stdlib_corpus.py``. Dropout is 0, so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "pretrain_cpu_losses.json"
+ITERS = 6
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+TRAIN = ["--use-cpu-initialization", "--make-vocab-size-divisible-by", "256",
+         # the same initial weights at every TP size: full weights initialised, then split,
+         # and a padded vocabulary (512) that does not depend on TP
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+         "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1",
+         "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", "257", "--split", "90,5,5", "--log-micro-batch-loss"]
+CPU = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+       "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
+       "--no-bias-dropout-fusion", "--distributed-backend", "gloo"]
+MHC = ["--enable-hyper-connections", "--num-residual-streams", "4"]
+
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_2_gpus)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import prepare_stdlib_corpus
+
+    prefix = str(tmp_path_factory.mktemp("data") / "stdlib")
+    prepare_stdlib_corpus.write_corpus(prefix, max_bytes=1_000_000)
+    return prefix
+
+
+class Run:
+    """A finished run: its output and what Megatron and the example printed."""
+
+    def __init__(self, proc: subprocess.CompletedProcess):
+        self.returncode, self.out = proc.returncode, proc.stdout + proc.stderr
+        self.train = [float(v) for v in re.findall(r"\[micro-batch loss\] train ([-0-9.eE+]+)", self.out)]
+        self.logged = {int(i): float(v) for i, v in re.findall(
+            r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.Ee]+) \|", self.out)}
+        self.valid = [float(v) for v in re.findall(r"validation loss at iteration \d+ \| lm loss value: ([-+0-9.Ee]+)", self.out)]
+        params = re.findall(r"number of parameters on \(tensor, .*?\) model parallel rank "
+                            r"\(0, .*?\): (\d+)", self.out)
+        self.params = int(params[0]) if params else None
+
+    def ok(self):
+        assert self.returncode == 0, self.out[-6000:]
+        return self
+
+
+def _example_cmd(corpus, flags, device):
+    return [str(EXAMPLE), *MODEL, *TRAIN, "--data-path", corpus,
+            *(CPU if device == "cpu" else []), *flags]
+
+
+def _env(device, **extra):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore", **extra}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks, also on a GPU host
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600) -> Run:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *_example_cmd(corpus, flags, device)]
+    return Run(subprocess.run(cmd, capture_output=True, text=True, env=_env(device),
+                              timeout=timeout, cwd=ROOT))
+
+
+def _close(a, b, rtol):
+    assert len(a) == len(b) and a, (a, b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * abs(y), f"step {i + 1}: {x} vs {y}\n{a}\n{b}"
+
+
+@pytest.fixture(scope="module")
+def mhc_run(corpus):
+    """The reference mHC run (1 rank, 2 micro-batches a step), shared by several tests."""
+    return pretrain(corpus, *MHC).ok()
+
+
+def test_baseline_and_mhc_train(corpus, mhc_run):
+    base = pretrain(corpus).ok()
+    for run in (base, mhc_run):
+        assert len(run.train) == 2 * ITERS and len(run.logged) == ITERS and run.valid
+        assert run.logged[ITERS] < run.logged[1] - 0.2, run.logged  # it learns
+    assert mhc_run.params > base.params  # the mapping parameters exist
+    assert "mhc_kernel_backend='auto' runs the reference ops on cpu" in mhc_run.out
+    assert mhc_run.logged != base.logged
+
+
+def test_golden_losses(mhc_run):
+    """Per-micro-batch training losses of the reference mHC run, committed in tests/golden.
+    Regenerate (after an intended change only) with MHC_UPDATE_GOLDEN=1."""
+    if os.environ.get("MHC_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps({"train_micro_batch_losses": mhc_run.train}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())["train_micro_batch_losses"]
+    rows = [f"{i:>4} {g:>14.8f} {n:>14.8f} {n - g:>+12.2e}"
+            for i, (g, n) in enumerate(zip(golden, mhc_run.train), 1)]
+    table = "\n".join([f"{'mb':>4} {'golden':>14} {'now':>14} {'delta':>12}", *rows])
+    assert len(golden) == len(mhc_run.train), table
+    assert all(abs(n - g) <= 1e-5 * abs(g) for g, n in zip(golden, mhc_run.train)), \
+        "the fixed-seed CPU losses moved:\n" + table
+
+
+def test_resume_continues_bitwise(corpus, mhc_run, tmp_path):
+    """Interrupted at iteration 3 (Megatron saves and exits), resumed from the checkpoint:
+    the remaining steps equal the uninterrupted run's, bit for bit (CPU, deterministic)."""
+    ckpt = str(tmp_path / "ckpt")
+    first = pretrain(corpus, *MHC, "--save", ckpt, "--save-interval", "3",
+                     "--exit-interval", "3").ok()
+    assert "saving checkpoint at iteration" in first.out and len(first.train) == 2 * 3
+    second = pretrain(corpus, *MHC, "--load", ckpt, "--save", ckpt, "--save-interval", "3").ok()
+    assert "successfully loaded checkpoint" in second.out
+    assert first.train + second.train == mhc_run.train
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensor_parallel_matches_single_rank(corpus, mhc_run, device):
+    tp2 = pretrain(corpus, *MHC, "--tensor-model-parallel-size", "2", nproc=2, device=device)
+    tp2.ok()
+    reference = mhc_run if device == "cpu" else pretrain(corpus, *MHC, device=device).ok()
+    _close([tp2.logged[i] for i in range(1, ITERS + 1)],
+           [reference.logged[i] for i in range(1, ITERS + 1)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_data_parallel_distributed_optimizer_matches_single_rank(corpus, mhc_run, device):
+    """DP=2 (one micro-batch per rank, Megatron's distributed optimiser) == DP=1 (two
+    micro-batches) over all steps: the same global batches, the same updates."""
+    dp2 = pretrain(corpus, *MHC, "--use-distributed-optimizer", nproc=2, device=device).ok()
+    reference = mhc_run if device == "cpu" else pretrain(corpus, *MHC, device=device).ok()
+    _close([dp2.logged[i] for i in range(1, ITERS + 1)],
+           [reference.logged[i] for i in range(1, ITERS + 1)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--num-residual-streams", "0"], "num_residual_streams"),
+    (["--pipeline-model-parallel-size", "2"], "pipeline_model_parallel_size"),
+])
+def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
+    """The config is built right after Megatron parses the flags, before any process group
+    exists, so every rank raises the config's refusal on its own: no rank waits for another.
+    The two ranks are started as torchrun would (RANK, WORLD_SIZE, ...) but without its agent,
+    which would stop the slower rank as soon as the first one fails."""
+    flags = ["--enable-hyper-connections", *flags]
+    procs = [subprocess.Popen([sys.executable, *_example_cmd(corpus, flags, "cpu")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env("cpu", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29571"))
+             for r in (0, 1)]
+    for rank, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode != 0, out[-3000:]
+        assert re.search(rf"ValueError: mHC config: [^\n]*{field}[^\n]*Fix: ", out), \
+            f"rank {rank}:\n{out[-3000:]}"
+    run = pretrain(corpus, *flags, nproc=2, timeout=300)  # and under torchrun: a clean stop
+    assert run.returncode != 0 and "ValueError: mHC config: " in run.out
