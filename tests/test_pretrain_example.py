@@ -8,6 +8,7 @@ by ``examples/prepare_stdlib_corpus.py``. Dropout is 0, so runs are deterministi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
-GOLDEN = Path(__file__).resolve().parent / "golden" / "pretrain_cpu_losses.json"
+GOLDEN_DIR = Path(os.environ.get("MHC_GOLDEN_DIR", Path(__file__).resolve().parent / "golden"))
 ITERS = 6
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64",
@@ -34,9 +35,13 @@ TRAIN = ["--use-cpu-initialization", "--make-vocab-size-divisible-by", "256",
          "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1",
          "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "257", "--split", "90,5,5", "--log-micro-batch-loss"]
-CPU = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-       "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
-       "--no-bias-dropout-fusion", "--distributed-backend", "gloo"]
+# Megatron's local modules without the fused kernels that need apex or TE
+LOCAL = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+         "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
+         "--no-bias-dropout-fusion"]
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+BACKEND = {"cpu": LOCAL + ["--distributed-backend", "gloo"],  # CPU ranks over gloo
+           "cuda": [] if HAVE_TE else LOCAL}                   # GPUs over NCCL (TE if present)
 MHC = ["--enable-hyper-connections", "--num-residual-streams", "4"]
 
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -73,7 +78,7 @@ class Run:
 
 def _example_cmd(corpus, flags, device):
     return [str(EXAMPLE), *MODEL, *TRAIN, "--data-path", corpus,
-            *(CPU if device == "cpu" else []), *flags]
+            *BACKEND[device], *flags]
 
 
 def _env(device, **extra):
@@ -116,19 +121,35 @@ def test_baseline_and_mhc_train(corpus, mhc_run):
     assert mhc_run.logged != base.logged
 
 
-def test_golden_losses(mhc_run):
-    """Per-micro-batch training losses of the reference mHC run, committed in tests/golden.
-    Regenerate (after an intended change only) with MHC_UPDATE_GOLDEN=1."""
+def _check_golden(run: Run, name: str, rtol: float):
+    """Compare ``run``'s per-micro-batch training losses with the committed ones, showing a
+    table of every step on a mismatch. MHC_UPDATE_GOLDEN=1 rewrites the file (after an
+    intended change only); MHC_GOLDEN_DIR points elsewhere (e.g. to fetch GPU values)."""
+    path = GOLDEN_DIR / name
     if os.environ.get("MHC_UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps({"train_micro_batch_losses": mhc_run.train}, indent=1) + "\n")
-    golden = json.loads(GOLDEN.read_text())["train_micro_batch_losses"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"train_micro_batch_losses": run.train}, indent=1) + "\n")
+    golden = json.loads(path.read_text())["train_micro_batch_losses"]
     rows = [f"{i:>4} {g:>14.8f} {n:>14.8f} {n - g:>+12.2e}"
-            for i, (g, n) in enumerate(zip(golden, mhc_run.train), 1)]
+            for i, (g, n) in enumerate(zip(golden, run.train), 1)]
     table = "\n".join([f"{'mb':>4} {'golden':>14} {'now':>14} {'delta':>12}", *rows])
-    assert len(golden) == len(mhc_run.train), table
-    assert all(abs(n - g) <= 1e-5 * abs(g) for g, n in zip(golden, mhc_run.train)), \
-        "the fixed-seed CPU losses moved:\n" + table
+    assert len(golden) == len(run.train), table
+    assert all(abs(n - g) <= rtol * abs(g) for g, n in zip(golden, run.train)), \
+        f"the fixed-seed losses moved ({path}):\n" + table
+
+
+def test_golden_losses(mhc_run):
+    """The reference mHC run on CPU ranks, against tests/golden/pretrain_cpu_losses.json."""
+    _check_golden(mhc_run, "pretrain_cpu_losses.json", rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_golden_losses_gpu(corpus):
+    """The same run on one GPU over NCCL with the Triton kernels, against
+    tests/golden/pretrain_gpu_losses.json (recorded on an H100)."""
+    run = pretrain(corpus, *MHC, device="cuda").ok()
+    assert "mhc_kernel_backend='auto' runs the triton ops on cuda" in run.out
+    _check_golden(run, "pretrain_gpu_losses.json", rtol=1e-4)
 
 
 def test_resume_continues_bitwise(corpus, mhc_run, tmp_path):
@@ -143,10 +164,17 @@ def test_resume_continues_bitwise(corpus, mhc_run, tmp_path):
     assert first.train + second.train == mhc_run.train
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_tensor_parallel_matches_single_rank(corpus, mhc_run, device):
-    tp2 = pretrain(corpus, *MHC, "--tensor-model-parallel-size", "2", nproc=2, device=device)
-    tp2.ok()
+needs_te = pytest.mark.skipif(not HAVE_TE, reason="sequence parallel needs TE's norms")
+
+
+@pytest.mark.parametrize("device,sp", [
+    ("cpu", False),
+    pytest.param("cuda", False, marks=needs_2_gpus),
+    pytest.param("cuda", True, marks=[needs_2_gpus, needs_te]),
+])
+def test_tensor_parallel_matches_single_rank(corpus, mhc_run, device, sp):
+    tp2 = pretrain(corpus, *MHC, "--tensor-model-parallel-size", "2",
+                   *(["--sequence-parallel"] if sp else []), nproc=2, device=device).ok()
     reference = mhc_run if device == "cpu" else pretrain(corpus, *MHC, device=device).ok()
     _close([tp2.logged[i] for i in range(1, ITERS + 1)],
            [reference.logged[i] for i in range(1, ITERS + 1)], rtol=1e-5)
