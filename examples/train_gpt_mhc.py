@@ -59,9 +59,9 @@ def parse_args(argv=None):
                         "The mHC mapping math is fp32 in all three")
     for key in PRESETS["cpu"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=type(PRESETS["cpu"][key]), default=None)
-    p.add_argument("--mhc-params", choices=("fp32", "params"), default="fp32",
-                   help="storage of the mHC mapping parameters: fp32 (mhc_params_dtype's "
-                        "default) or the model's params_dtype (bf16 with --precision bf16/fp8)")
+    p.add_argument("--mhc-params", choices=("params", "fp32"), default="params",
+                   help="storage of the mHC mapping parameters: the model's params_dtype "
+                        "(mhc_params_dtype's default; bf16 with --precision bf16/fp8) or fp32")
     args = p.parse_args(argv)
     if args.precision == "fp8" and args.spec != "te":
         p.error("--precision fp8 needs --spec te (the fp8 GEMMs are Transformer Engine's)")

@@ -11,6 +11,7 @@ ignored.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -65,11 +66,15 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_recompute_layer_num: Optional[int] = None
     """Layers per recompute block; None = eq. 20 of the paper, sqrt(n*L/(n+2))."""
 
-    mhc_params_dtype: Optional[torch.dtype] = torch.float32
-    """Storage dtype of the mapping parameters (phi, alpha, bias). fp32 (default, as
-    Megatron-LM's in-tree mHC): they stay fp32 through Float16Module and any model-wide
-    dtype cast, so the H_res logits are never bf16-rounded; Megatron's DDP and optimisers
-    keep fp32 parameters as they are. None: follow ``params_dtype`` like every other weight."""
+    mhc_params_dtype: Optional[torch.dtype] = None
+    """Storage dtype of the mapping parameters (phi, alpha, bias). None (default): follow
+    ``params_dtype`` like every other weight. torch.float32 (as Megatron-LM's in-tree mHC):
+    they stay fp32 through Float16Module and any model-wide dtype cast, so the forward never
+    sees bf16-rounded H_res logits; but Megatron-Core 0.19.2's optimisers cannot checkpoint a
+    bf16/fp16 model holding fp32 parameters (its float16 optimiser maps only float16
+    parameters to the model's sharded state, and the distributed optimiser's reshardable
+    state asserts on the second dtype buffer), so with Megatron's training loop and
+    ``--save`` keep the default."""
 
     def __post_init__(self):
         # Before Megatron's own checks: where Megatron asserts on the same feature (e.g.
@@ -124,6 +129,13 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if config.mhc_params_dtype not in PARAMS_DTYPES:
         _fail("mhc_params_dtype", f"must be one of {PARAMS_DTYPES}, got {config.mhc_params_dtype!r}",
               "use torch.float32 (the default) or None to follow params_dtype")
+    if config.mhc_params_dtype is not None and config.mhc_params_dtype != config.params_dtype:
+        warnings.warn(
+            f"mhc_params_dtype={config.mhc_params_dtype} differs from params_dtype="
+            f"{config.params_dtype}: Megatron-Core 0.19.2's optimisers cannot save checkpoints "
+            "of such a model (Float16OptimizerWithFloat16Params: KeyError; distributed "
+            "optimiser: shape assertion). Fix: leave mhc_params_dtype=None when training with "
+            "Megatron's optimiser and checkpoints.", UserWarning, stacklevel=3)
     if config.mhc_kernel_backend not in KERNEL_BACKENDS:
         _fail("mhc_kernel_backend", f"unknown backend {config.mhc_kernel_backend!r}",
               f"use one of {KERNEL_BACKENDS}")

@@ -19,7 +19,7 @@ def test_defaults_and_subclassing():
     assert isinstance(cfg, TransformerConfig)
     assert (cfg.num_residual_streams, cfg.mhc_sinkhorn_iterations, cfg.mhc_init_gating_factor,
             cfg.mhc_kernel_backend, cfg.mhc_recompute, cfg.mhc_recompute_layer_num,
-            cfg.mhc_params_dtype) == (4, 20, 0.01, "auto", False, None, torch.float32)
+            cfg.mhc_params_dtype) == (4, 20, 0.01, "auto", False, None, None)
     replaced = dataclasses.replace(cfg, num_residual_streams=2)
     assert type(replaced) is MHCTransformerConfig and replaced.num_residual_streams == 2
     with pytest.raises(ValueError, match="num_residual_streams"):
@@ -122,3 +122,10 @@ def test_mhc_recompute_is_accepted_with_sublayer_recompute():
     cfg = MHCTransformerConfig(**BASE, mhc_recompute=True, recompute_granularity="selective",
                                recompute_modules=["core_attn", "layernorm", "moe"])
     assert cfg.mhc_recompute and cfg.mhc_recompute_block_size >= 1
+
+
+def test_fp32_mapping_params_in_a_bf16_model_warn_about_megatron_checkpoints():
+    with pytest.warns(UserWarning, match="cannot save checkpoints of such a model.*Fix: leave "
+                      "mhc_params_dtype=None"):
+        MHCTransformerConfig(**BASE, bf16=True, params_dtype=torch.bfloat16,
+                             mhc_params_dtype=torch.float32)

@@ -51,14 +51,14 @@ def test_flags_reach_the_config(monkeypatch):
     args = _args("--enable-hyper-connections", "--num-residual-streams", "2",
                  "--mhc-sinkhorn-iterations", "7", "--mhc-init-gating-factor", "0.05",
                  "--mhc-rms-eps", "1e-5", "--mhc-kernel-backend", "reference", "--mhc-recompute",
-                 "--mhc-recompute-layer-num", "3", "--mhc-params-dtype", "params",
+                 "--mhc-recompute-layer-num", "3", "--mhc-params-dtype", "fp32",
                  monkeypatch=monkeypatch)
     c = mhc_transformer_config_from_args(args)
     assert type(c) is MHCTransformerConfig
     assert (c.enable_hyper_connections, c.num_residual_streams, c.mhc_sinkhorn_iterations,
             c.mhc_init_gating_factor, c.mhc_rms_eps, c.mhc_kernel_backend, c.mhc_recompute,
             c.mhc_recompute_layer_num, c.mhc_params_dtype) == (
-        True, 2, 7, 0.05, 1e-5, "reference", True, 3, None)
+        True, 2, 7, 0.05, 1e-5, "reference", True, 3, torch.float32)
     assert c.hidden_size == 64 and c.num_layers == 2  # Megatron's own flags still apply
 
 

@@ -61,8 +61,10 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    default=_default("mhc_recompute_layer_num"),
                    help="Layers per mHC recompute block (default: eq. 20 of the paper).")
     g.add_argument("--mhc-params-dtype", type=_params_dtype, default=_default("mhc_params_dtype"),
-                   metavar="{fp32,params}",
-                   help="Storage of the mapping parameters: fp32 (default) or --params-dtype.")
+                   metavar="{params,fp32}",
+                   help="Storage of the mapping parameters: params (default: --params-dtype) "
+                        "or fp32 (not checkpointable by Megatron-Core 0.19.2's optimisers in a "
+                        "bf16/fp16 run).")
     return parser
 
 
