@@ -144,7 +144,7 @@ def test_golden_losses(mhc_run):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_golden_losses_gpu(corpus):  # noqa: D103 (docstring below)
+def test_golden_losses_gpu(corpus):
     """The same run on one GPU over NCCL with the Triton kernels, against
     tests/golden/pretrain_gpu_losses.json (recorded on an H100)."""
     run = pretrain(corpus, *MHC, device="cuda").ok()
