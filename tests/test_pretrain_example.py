@@ -27,10 +27,11 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seq-length", "64", "--max-position-embeddings", "64",
          "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
-TRAIN = ["--use-cpu-initialization", "--make-vocab-size-divisible-by", "256",
-         # the same initial weights at every TP size: full weights initialised, then split,
-         # and a padded vocabulary (512) that does not depend on TP
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
+# The same initial weights at every TP size on CPU ranks: full weights initialised, then
+# split (Megatron's GPT builder leaves such a model on the CPU, so not on GPUs), and a padded
+# vocabulary (512) that does not depend on TP.
+SAME_INIT = {"cpu": ["--use-cpu-initialization"], "cuda": []}
+TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
          "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
          "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1",
          "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
@@ -78,7 +79,7 @@ class Run:
 
 def _example_cmd(corpus, flags, device):
     return [str(EXAMPLE), *MODEL, *TRAIN, "--data-path", corpus,
-            *BACKEND[device], *flags]
+            *BACKEND[device], *SAME_INIT[device], *flags]
 
 
 def _env(device, **extra):
