@@ -7,7 +7,9 @@ as raw bytes 0..255 with end-of-document id 256, written with Megatron's own
 ``IndexedDatasetBuilder`` as ``PREFIX.bin`` / ``PREFIX.idx``. Train on it with Megatron's
 ``NullTokenizer`` (it ships with Megatron and needs no files):
 ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 257 --split 98,1,1``
-(NullTokenizer's end-of-document id is ``vocab_size - 1`` = 256).
+(NullTokenizer's end-of-document id is ``vocab_size - 1`` = 256). Choose ``--split`` so that
+every split gets at least one document: Megatron's GPT dataset builder loops without end on
+an empty split (8 MB here is ~400 documents, so 98,1,1 gives 4 each to validation and test).
 """
 
 from __future__ import annotations

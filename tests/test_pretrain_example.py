@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,11 +94,23 @@ def _env(device, **extra):
     return env
 
 
+def _communicate(proc: subprocess.Popen, timeout: int) -> str:
+    """Wait for ``proc``; on timeout kill its whole process group (torchrun's ranks too)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
+
+
 def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600) -> Run:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", *_example_cmd(corpus, flags, device)]
-    return Run(subprocess.run(cmd, capture_output=True, text=True, env=_env(device),
-                              timeout=timeout, cwd=ROOT))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(device), cwd=ROOT, start_new_session=True)
+    out = _communicate(proc, timeout)
+    return Run(subprocess.CompletedProcess(cmd, proc.returncode, out, ""))
 
 
 def _close(a, b, rtol):
@@ -226,10 +239,11 @@ def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
     procs = [subprocess.Popen([sys.executable, *_example_cmd(corpus, flags, "cpu")], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=_env("cpu", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29571"))
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29571"),
+                              start_new_session=True)
              for r in (0, 1)]
     for rank, proc in enumerate(procs):
-        out, _ = proc.communicate(timeout=300)
+        out = _communicate(proc, timeout=300)
         assert proc.returncode != 0, out[-3000:]
         assert re.search(rf"ValueError: mHC config: [^\n]*{field}[^\n]*Fix: ", out), \
             f"rank {rank}:\n{out[-3000:]}"
