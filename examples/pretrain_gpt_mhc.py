@@ -22,6 +22,7 @@ CI and smoke runs, with gloo and Megatron's local modules: pass ``--transformer-
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -34,7 +35,7 @@ def skip_megatron_helper_build() -> None:
     import megatron.core.datasets.utils as dataset_utils
 
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
     except ImportError:
         return
     if not os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
