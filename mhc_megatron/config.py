@@ -84,6 +84,13 @@ class MHCTransformerConfig(TransformerConfig):
         # And after: Megatron derives some fields (cuda_graph_impl from enable_cuda_graph,
         # the virtual pipeline size from num_layers_per_virtual_pipeline_stage, ...).
         validate_mhc_config(self)
+        if self.mhc_params_dtype is not None and self.mhc_params_dtype != self.params_dtype:
+            warnings.warn(
+                f"mhc_params_dtype={self.mhc_params_dtype} differs from params_dtype="
+                f"{self.params_dtype}: Megatron-Core 0.19.2's optimisers cannot save checkpoints "
+                "of such a model (Float16OptimizerWithFloat16Params: KeyError; distributed "
+                "optimiser: shape assertion). Fix: leave mhc_params_dtype=None when training "
+                "with Megatron's optimiser and checkpoints.", UserWarning, stacklevel=2)
 
     @property
     def mhc_recompute_block_size(self) -> int:
@@ -128,14 +135,7 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
         _fail("mhc_rms_eps", f"must be a float > 0, got {eps!r}", "use e.g. 1e-6")
     if config.mhc_params_dtype not in PARAMS_DTYPES:
         _fail("mhc_params_dtype", f"must be one of {PARAMS_DTYPES}, got {config.mhc_params_dtype!r}",
-              "use torch.float32 (the default) or None to follow params_dtype")
-    if config.mhc_params_dtype is not None and config.mhc_params_dtype != config.params_dtype:
-        warnings.warn(
-            f"mhc_params_dtype={config.mhc_params_dtype} differs from params_dtype="
-            f"{config.params_dtype}: Megatron-Core 0.19.2's optimisers cannot save checkpoints "
-            "of such a model (Float16OptimizerWithFloat16Params: KeyError; distributed "
-            "optimiser: shape assertion). Fix: leave mhc_params_dtype=None when training with "
-            "Megatron's optimiser and checkpoints.", UserWarning, stacklevel=3)
+              "use None (the default: follow params_dtype) or torch.float32")
     if config.mhc_kernel_backend not in KERNEL_BACKENDS:
         _fail("mhc_kernel_backend", f"unknown backend {config.mhc_kernel_backend!r}",
               f"use one of {KERNEL_BACKENDS}")

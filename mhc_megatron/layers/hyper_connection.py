@@ -63,8 +63,8 @@ class HyperConnectionModule(MegatronModule):
     They are replicated on every tensor-parallel rank and tagged ``sequence_parallel``
     like Megatron's norm weights, so under sequence parallelism (each TP rank sees other
     tokens) ``finalize_model_grads`` sums their gradients over the TP group. They are stored
-    in ``config.mhc_params_dtype`` (fp32 by default, kept through model-wide dtype casts;
-    see :meth:`_apply`). The math runs in fp32 whatever the parameter and activation dtypes.
+    in ``params_dtype``, or in ``config.mhc_params_dtype`` when that is set (kept through
+    model-wide dtype casts, see :meth:`_apply`). The math runs in fp32 whatever the parameter and activation dtypes.
     """
 
     def __init__(self, config, hidden_size: int | None = None):
