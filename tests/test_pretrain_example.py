@@ -8,7 +8,6 @@ by ``examples/prepare_stdlib_corpus.py``. Dropout is 0, so runs are deterministi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HAVE_TE
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
@@ -41,11 +41,11 @@ TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2", "--
 LOCAL = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
          "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
          "--no-bias-dropout-fusion"]
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 BACKEND = {"cpu": LOCAL + ["--distributed-backend", "gloo"],  # CPU ranks over gloo
            "cuda": [] if HAVE_TE else LOCAL}                   # GPUs over NCCL (TE if present)
 MHC = ["--enable-hyper-connections", "--num-residual-streams", "4"]
 
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_2_gpus)]
 
@@ -157,7 +157,7 @@ def test_golden_losses(mhc_run):
     _check_golden(mhc_run, "pretrain_cpu_losses.json", rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_gpu
 def test_golden_losses_gpu(corpus):
     """The same run on one GPU over NCCL with the Triton kernels, against
     tests/golden/pretrain_gpu_losses.json (recorded on an H100)."""
@@ -178,10 +178,7 @@ def test_resume_continues_bitwise(corpus, mhc_run, tmp_path):
     assert first.train + second.train == mhc_run.train
 
 
-needs_te = pytest.mark.skipif(not HAVE_TE, reason="sequence parallel needs TE's norms")
-
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_te_norms = pytest.mark.skipif(not HAVE_TE, reason="sequence parallel needs TE's norms")
 
 
 @pytest.mark.parametrize("device,optimizer", [
@@ -206,7 +203,7 @@ def test_bf16_checkpoint_save_and_resume(corpus, tmp_path, device, optimizer):
 @pytest.mark.parametrize("device,sp", [
     ("cpu", False),
     pytest.param("cuda", False, marks=needs_2_gpus),
-    pytest.param("cuda", True, marks=[needs_2_gpus, needs_te]),
+    pytest.param("cuda", True, marks=[needs_2_gpus, needs_te_norms]),
 ])
 def test_tensor_parallel_matches_single_rank(corpus, mhc_run, device, sp):
     tp2 = pretrain(corpus, *MHC, "--tensor-model-parallel-size", "2",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from helpers import SEQ, batch, build_gpt, tiny_config
+from helpers import HAVE_TE, SEQ, batch, build_gpt, tiny_config
 from mhc_megatron.layers import (
     HyperConnectionTransformerLayer,
     HyperConnectionTransformerLayerSubmodules,
@@ -22,7 +20,6 @@ from mhc_megatron.specs import (
     to_mhc_layer_spec,
 )
 
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 
 def test_local_layer_spec():
