@@ -1,33 +1,85 @@
-"""Multi-rank tests: launched with torchrun as 2 CPU ranks over gloo."""
+"""Multi-rank equivalence tests: each launches a script of ``tests/distributed/`` with torchrun.
+
+Set-ups (``tests/distributed/harness.py``):
+- ``cpu``: 2 CPU ranks over gloo with the reference ops (CI; also on a GPU host);
+- ``cuda-te`` / ``cuda-local``: 2 GPUs over NCCL with the Triton kernels, with Transformer
+  Engine's specs (where TE is installed) and with Megatron's local modules. Skipped with fewer
+  than 2 CUDA devices.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
+from helpers import HAVE_TE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+needs_2_gpus_te = pytest.mark.skipif(torch.cuda.device_count() < 2 or not HAVE_TE,
+                                     reason="needs 2 CUDA devices and Transformer Engine")
+SETUPS = ["cpu", pytest.param("cuda-local", marks=needs_2_gpus),
+          pytest.param("cuda-te", marks=needs_2_gpus_te)]
+ENV = {"cpu": {"MHC_DIST_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""},
+       "cuda-local": {"MHC_DIST_DEVICE": "cuda", "MHC_DIST_TE": "0"},
+       "cuda-te": {"MHC_DIST_DEVICE": "cuda", "MHC_DIST_TE": "1"}}
 
-def _torchrun(script: str, timeout: int = 600) -> str:
+
+def _torchrun(script: str, setup: str, *args: str, timeout: int = 600) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--standalone", os.path.join(HERE, "distributed", script)]
-    # Two CPU ranks over gloo, also on a GPU host (which may have a single GPU).
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
+           "--standalone", os.path.join(HERE, "distributed", script), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **ENV[setup]}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{script} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    assert proc.returncode == 0, f"{script} [{setup}] failed (rc={proc.returncode}):\n{out[-6000:]}"
+    print("\n".join(line for line in out.splitlines() if line.startswith("PASS")))
     return out
 
 
+def _expect(out: str, lines: list[str]) -> None:
+    for rank in (0, 1):
+        for line in lines:
+            assert re.search(rf"PASS rank={rank} {line}", out), f"missing 'PASS rank={rank} {line}':\n{out[-3000:]}"
+
+
 @pytest.mark.distributed
-def test_tensor_parallel_matches_single_rank():
-    out = _torchrun("tp_equivalence.py")
-    for kind, sp, recompute in (("dense", False, False), ("dense", True, False),
-                                ("moe", True, False), ("dense", True, True), ("moe", True, True)):
-        for rank in (0, 1):
-            assert f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute}" in out, \
-                out[-3000:]
+@pytest.mark.parametrize("setup", SETUPS)
+def test_tensor_parallel_matches_single_rank(setup):
+    """TP=2 (+SP, + mHC recompute; dense and MoE) == TP=1: loss and every gradient."""
+    out = _torchrun("tp_equivalence.py", setup)
+    _expect(out, [f"kind={kind} sp={sp} recompute={rc} "
+                  for kind, sp, rc in (("dense", False, False), ("dense", True, False),
+                                       ("moe", True, False), ("dense", True, True),
+                                       ("moe", True, True))])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setup", SETUPS)
+def test_expert_parallel_matches_single_rank(setup):
+    """MoE with EP=2 == EP=1: per-rank loss, expert and dense gradients, mHC's included."""
+    out = _torchrun("ep_equivalence.py", setup)
+    dispatchers = ["allgather"] + (["alltoall"] if setup != "cpu" else [])
+    _expect(out, [f"ep=2 dispatcher={d} recompute={rc} " for d in dispatchers for rc in (False, True)])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setup", SETUPS)
+def test_dist_checkpoint_reshards_between_tp2_and_tp1(setup, tmp_path):
+    """Saved at TP=2, loaded at TP=1 (DP=2), and back: bitwise weights, the same logits."""
+    out = _torchrun("ckpt_reshard.py", setup, str(tmp_path))
+    _expect(out, [f"kind={kind} TP={a}->TP={b} " for kind in ("dense", "moe")
+                  for a, b in ((2, 1), (1, 2))])
+
+
+@pytest.mark.distributed
+@needs_2_gpus_te
+def test_context_parallel_matches_single_rank():
+    """CP=2 with TE's attention == CP=1 (bf16): loss and every gradient."""
+    out = _torchrun("cp_equivalence.py", "cuda-te")
+    _expect(out, ["cp=2 kind=dense recompute=False ", "cp=2 kind=dense recompute=True ",
+                  "cp=2 kind=moe recompute=False "])

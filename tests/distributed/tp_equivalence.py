@@ -1,45 +1,28 @@
 """TP=2 (with and without sequence parallel) equals TP=1: loss and every gradient.
 
-Run: torchrun --nproc-per-node=2 tests/distributed/tp_equivalence.py
-Also with cross-layer mHC recompute on the TP=2 side (dense and MoE, sequence parallel).
-Each rank first builds the TP=1 model (same seed -> same weights on both ranks), runs
-fwd+bwd, then rebuilds the model-parallel state with TP=2, loads the TP=1 weights
-sharded along each parameter's partition_dim, runs fwd+bwd on the same batch, lets
+Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/tp_equivalence.py
+(``harness.py``: CPU ranks over gloo, or GPUs over NCCL with the Triton kernels and TE specs
+where TE is installed.) Also with cross-layer mHC recompute on the TP=2 side (dense and MoE,
+sequence parallel). Each rank first builds the TP=1 model (same seed -> same weights on both
+ranks), runs fwd+bwd, then rebuilds the model-parallel state with TP=2, loads the TP=1
+weights sharded along each parameter's partition_dim, runs fwd+bwd on the same batch, lets
 Megatron's own finalize step reduce the replicated (sequence-parallel) grads, and compares
 loss and gradients with the TP=1 run. Prints PASS lines; exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
+import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
 
-# These ranks are CPU processes over gloo, also on a GPU host. Megatron's Transformer Engine
-# code paths are CUDA-only (its MoE router runs TE's GEMM whenever TE is importable), so TE
-# is hidden from this process: Megatron's local modules are what this test runs.
-sys.modules["transformer_engine"] = None
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from helpers import batch, build_gpt, lm_loss, moe_overrides, sequence_parallel_capable_spec, tiny_config  # noqa: E402
-from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
-
-
-def _init_parallel(tp: int):
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    setup_cpu_megatron(seed=1234)
+from helpers import batch, lm_loss, moe_overrides
 
 
 def _config(kind, tp, sp, recompute=False):
     extra = moe_overrides() if kind == "moe" else {}
     if recompute:  # cross-layer mHC recompute, one layer a block (2 blocks)
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
-    return tiny_config(tensor_model_parallel_size=tp, sequence_parallel=sp, **extra)
+    return harness.config(tensor_model_parallel_size=tp, sequence_parallel=sp, **extra)
 
 
 def _shard(full: torch.Tensor, param: torch.nn.Parameter, rank: int, tp: int) -> torch.Tensor:
@@ -55,25 +38,25 @@ def _fwd_bwd(model, data):
 
 
 def check(kind: str, sp: bool, recompute: bool = False) -> None:
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads,
     )
-    from megatron.core import parallel_state
 
-    data = batch(batch_size=2, seed=11)
+    data = batch(batch_size=2, seed=11, device=harness.DEVICE)
 
-    _init_parallel(1)
+    harness.init_parallel(tp=1)
     cfg1 = _config(kind, 1, False)
-    ref = build_gpt(cfg1, spec=sequence_parallel_capable_spec(cfg1))
+    ref = harness.model(cfg1)
     ref_loss = _fwd_bwd(ref, data)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
-    _init_parallel(2)
+    harness.init_parallel(tp=2)
     tp, rank = 2, parallel_state.get_tensor_model_parallel_rank()
     cfg2 = _config(kind, 2, sp, recompute)
-    model = build_gpt(cfg2, spec=sequence_parallel_capable_spec(cfg2))
+    model = harness.model(cfg2)
     names = [n for n, _ in model.named_parameters()]
     assert names == list(ref_params), "TP=1 and TP=2 models differ in parameters"
     with torch.no_grad():
@@ -84,15 +67,19 @@ def check(kind: str, sp: bool, recompute: bool = False) -> None:
     _allreduce_non_tensor_model_parallel_grads([model], cfg2)
 
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    checked_mhc = 0
+    checked_mhc, worst = 0, 0.0
     for n, p in model.named_parameters():
         expect = _shard(ref_grads[n], p, rank, tp)
         torch.testing.assert_close(p.grad, expect, rtol=2e-4, atol=2e-6,
                                    msg=lambda m, n=n: f"[{kind} sp={sp} rc={recompute}] grad of {n}: {m}")
+        worst = max(worst, harness.relative_error(p.grad, expect))
         checked_mhc += "hyper_connection" in n
     assert checked_mhc == 2 * 3 * cfg2.num_layers  # two mappings a layer, (phi, alpha, bias)
-    print(f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute} loss={loss.item():.6f} ref={ref_loss.item():.6f}"
-          f" params={len(names)} mhc_params={checked_mhc}", flush=True)
+    print(f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute} {harness.describe()} "
+          f"loss={loss.item():.6f} ref={ref_loss.item():.6f} "
+          f"loss_rel_err={abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()):.2e} "
+          f"worst_grad_rel_err={worst:.2e} params={len(names)} mhc_params={checked_mhc}",
+          flush=True)
 
 
 CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
@@ -100,8 +87,7 @@ CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
 
 
 def main():
-    init_single_process_group()
-    assert torch.distributed.get_world_size() == 2, "run with torchrun --nproc-per-node=2"
+    harness.init()
     # Megatron requires sequence parallelism for MoE with tensor parallelism.
     # The TP=2 runs with mHC recompute are compared with TP=1 without it.
     for kind, sp, recompute in CASES:

@@ -1,0 +1,106 @@
+"""MoE with expert parallelism EP=2 equals EP=1: loss and every gradient.
+
+Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/ep_equivalence.py
+
+Two ranks, each with its own micro-batch (EP is carved out of data parallelism). EP=1: both
+ranks hold all 4 experts and the same weights; each runs fwd+bwd on its batch, and the sum of
+the two ranks' gradients is the reference (what DP's all-reduce forms). EP=2: rank r holds
+experts 2r and 2r+1 (copied from the EP=1 model), the token dispatcher sends every token to
+the rank of its experts (allgather; also alltoall on GPUs: it needs CUDA streams); Megatron's own finalize step is not needed for the check: the dense
+(non-expert) grads are summed over the two ranks as DP would, and each local expert's grad,
+which already holds both ranks' tokens, must equal the reference grad of that global expert.
+Per-rank losses must equal the EP=1 losses of the same batch. With and without mHC recompute.
+"""
+
+from __future__ import annotations
+
+import re
+
+import harness  # noqa: F401  (first: hides TE on CPU ranks)
+import torch
+
+from helpers import batch, lm_loss, moe_overrides
+
+EXPERTS = 4
+LOCAL_EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)|(weight|bias)(\d+)$")
+
+
+def _config(ep: int, recompute: bool, dispatcher: str = "allgather"):
+    extra = dict(moe_overrides(), num_moe_experts=EXPERTS, moe_token_dispatcher_type=dispatcher,
+                 expert_model_parallel_size=ep)
+    if recompute:
+        extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
+    return harness.config(**extra)
+
+
+def _global_name(name: str, rank: int, local_experts: int) -> str:
+    """An EP=2 parameter name -> the EP=1 name of the same expert (SequentialMLP's
+    ``local_experts.i.`` and TE grouped GEMM's ``weight{i}`` both count local experts)."""
+    def shift(m):
+        if m.group(2) is not None:
+            return f"{m.group(1)}{rank * local_experts + int(m.group(2))}{m.group(3)}"
+        return f"{m.group(4)}{rank * local_experts + int(m.group(5))}"
+    return LOCAL_EXPERT.sub(shift, name) if ".experts." in name else name
+
+
+def check(dispatcher: str, recompute: bool) -> None:
+    from megatron.core import parallel_state
+
+    rank = torch.distributed.get_rank()
+    data = batch(batch_size=2, seed=100 + rank, device=harness.DEVICE)  # one batch a rank
+
+    harness.init_parallel(ep=1)
+    ref = harness.model(_config(1, False))
+    ref_loss = lm_loss(ref, data)
+    ref_loss.backward()
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_grads = {}
+    for n, p in ref.named_parameters():  # the data-parallel sum of both ranks' grads
+        g = p.grad.detach().clone()
+        torch.distributed.all_reduce(g)
+        ref_grads[n] = g
+
+    harness.init_parallel(ep=2)
+    assert parallel_state.get_expert_model_parallel_world_size() == 2
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    cfg = _config(2, recompute, dispatcher)
+    model = harness.model(cfg)
+    local = EXPERTS // 2
+    names = {n: _global_name(n, ep_rank, local) for n, _ in model.named_parameters()}
+    n_expert = sum(".experts." in n for n in names)
+    assert n_expert and set(names.values()) <= set(ref_params), sorted(set(names.values()) - set(ref_params))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(ref_params[names[n]])
+    loss = lm_loss(model, data)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+
+    worst, checked_mhc = 0.0, 0
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if getattr(p, "allreduce", True):  # dense params: DP's sum over the two ranks
+            torch.distributed.all_reduce(g)
+        else:
+            assert ".experts." in n, n
+        expect = ref_grads[names[n]]
+        torch.testing.assert_close(g, expect, rtol=2e-4, atol=2e-6,
+                                   msg=lambda m, n=n: f"[ep=2 {dispatcher} rc={recompute}] grad of {n}: {m}")
+        worst = max(worst, harness.relative_error(g, expect))
+        checked_mhc += "hyper_connection" in n
+    assert checked_mhc == 2 * 3 * cfg.num_layers
+    print(f"PASS rank={rank} ep=2 dispatcher={dispatcher} recompute={recompute} {harness.describe()} "
+          f"loss={loss.item():.6f} ref={ref_loss.item():.6f} worst_grad_rel_err={worst:.2e} "
+          f"expert_params={n_expert} mhc_params={checked_mhc}", flush=True)
+
+
+def main():
+    harness.init()
+    dispatchers = ("allgather", "alltoall") if harness.DEVICE == "cuda" else ("allgather",)
+    for dispatcher in dispatchers:
+        for recompute in (False, True):
+            check(dispatcher, recompute)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""What every multi-rank equivalence script shares: device, spec family, parallel state.
+
+The scripts run under ``torchrun --nproc-per-node=2`` (``tests/test_distributed.py``), in
+one of two set-ups chosen by the launcher through the environment:
+
+- ``MHC_DIST_DEVICE=cpu`` (CI): CPU ranks over gloo with the reference ops. Transformer
+  Engine is hidden from the process: Megatron's TE code paths are CUDA-only (its MoE router
+  runs TE's GEMM whenever TE is importable), so Megatron's local modules run.
+- ``MHC_DIST_DEVICE=cuda``: one GPU a rank over NCCL with the Triton kernels. TE specs where
+  TE is installed and ``MHC_DIST_TE`` is not ``0``; Megatron's local modules otherwise.
+
+Import this module first: it hides TE before Megatron is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEVICE = os.environ.get("MHC_DIST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise SystemExit(f"MHC_DIST_DEVICE must be cpu or cuda, got {DEVICE!r}")
+if DEVICE == "cpu" or os.environ.get("MHC_DIST_TE") == "0":
+    sys.modules["transformer_engine"] = None  # Megatron's local modules, also on a TE host
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from helpers import HAVE_TE, build_gpt, sequence_parallel_capable_spec, tiny_config  # noqa: E402
+from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec  # noqa: E402
+from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
+
+USE_TE = DEVICE == "cuda" and HAVE_TE and os.environ.get("MHC_DIST_TE") != "0"
+KERNELS = "triton" if DEVICE == "cuda" else "reference"
+SPEC_FAMILY = "te" if USE_TE else "local"
+
+
+def init(world_size: int = 2) -> None:
+    """The process group (gloo on CPU ranks, NCCL on GPUs; one GPU a rank)."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("MHC_DIST_DEVICE=cuda but no CUDA device is visible")
+    init_single_process_group()
+    assert torch.distributed.get_world_size() == world_size, \
+        f"run with torchrun --nproc-per-node={world_size}"
+    if DEVICE == "cuda":
+        # Equivalence of parallel layouts, not of TF32 roundings: full fp32 GEMMs.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def init_parallel(tp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> None:
+    """(Re)build Megatron's model-parallel state and reseed every RNG it uses."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             expert_model_parallel_size=ep,
+                                             context_parallel_size=cp)
+    setup_cpu_megatron(seed=seed)
+
+
+def config(**overrides):
+    """The tests' tiny mHC config on this set-up's kernels (fp32 unless overridden)."""
+    return tiny_config(mhc_kernel_backend=KERNELS, **overrides)
+
+
+def model(cfg):
+    """An mHC GPT of ``cfg`` on this rank's device, with this set-up's spec family.
+
+    Local specs use norms that accept ``sequence_parallel`` (Megatron's torch norm refuses it;
+    its SP-capable norms need apex or TE); TE specs use TE's own norms."""
+    if USE_TE:
+        spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=True)
+    else:
+        spec = sequence_parallel_capable_spec(cfg)
+    return build_gpt(cfg, device=DEVICE, spec=spec)
+
+
+def describe() -> str:
+    return f"device={DEVICE} spec={SPEC_FAMILY} kernels={KERNELS}"
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom else (a - b).norm().item()
