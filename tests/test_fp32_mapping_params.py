@@ -1,0 +1,398 @@
+"""fp32 mapping parameters (``mhc_params_dtype=torch.float32``) in a bf16 model, through
+Megatron-Core 0.19.2's optimisers and checkpoints, with
+:mod:`mhc_megatron.training.fp32_params`.
+
+Every check runs in fresh ``torchrun`` processes on CPU ranks over gloo (the CUDA-to-CPU
+shims of ``mhc_megatron.testing.cpu_training`` are process-wide, so they stay out of the
+pytest process). This file is also the script those processes run:
+
+* ``pretrain ARGS``: ``examples/pretrain_gpt_mhc.py`` (Megatron's own training loop) inside
+  :func:`~mhc_megatron.training.fp32_params.fp32_params_in_megatron_training`; it saves the
+  final parameters to ``$MHC_FP32_DUMP``;
+* ``core DIR``: Megatron-Core directly (Float16Module, DDP, ``get_megatron_optimizer``,
+  ``dist_checkpointing``) on 2 data-parallel ranks, for what Megatron's loop cannot do on CPU:
+  the distributed optimiser does not resume on CPU ranks in 0.19.2 (its ``state_dict``
+  asserts one Adam step value, and before the first step there is none), so its resume is
+  driven here, after one throw-away step that the checkpoint then overwrites.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
+THIS = Path(__file__).resolve()
+
+# The tiny GPT and schedule of test_pretrain_example.py on mock data, 4 steps, no eval.
+ITERS = 4
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "1e-3",
+         "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+         "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
+         "--eval-interval", "1000", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
+         "--mock-data", "--log-micro-batch-loss"]
+CPU = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+       "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
+       "--no-bias-dropout-fusion", "--distributed-backend", "gloo", "--use-cpu-initialization"]
+FP32_MHC = ["--enable-hyper-connections", "--num-residual-streams", "4", "--bf16",
+            "--mhc-params-dtype", "fp32"]
+
+
+def _torchrun(args, nproc=1, timeout=300, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(THIS), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
+                "CUDA_DEVICE_MAX_CONNECTIONS": "1", **env}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        full_env.pop(key, None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=ROOT, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"timed out after {timeout} s:\n{proc.communicate()[0][-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def _ckpt_key(param_name: str) -> str:
+    """The dist-checkpoint key of a model parameter (unwrapped, layers stacked)."""
+    return re.sub(r"\.layers\.\d+\.", ".layers.", re.sub(r"^(module\.)+", "", param_name))
+
+
+def _train_losses(out):
+    return [float(v) for v in re.findall(r"\[micro-batch loss\] train ([-0-9.eE+]+)", out)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks (the GPU runs are elsewhere)")
+def test_megatron_training_loop_saves_and_resumes_bitwise(tmp_path):
+    """Megatron's own loop, --bf16, fp32 mapping params, Megatron's float16 optimiser: trains,
+    saves at step 2, and a run resumed from that checkpoint repeats steps 3-4 bit for bit
+    (losses and final parameters); the mapping parameters are fp32 in the model and in the
+    checkpoint, with their own fp32 main copies and Adam moments."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*MODEL, *TRAIN, *CPU, *FP32_MHC]
+    full = _torchrun(["pretrain", *flags, "--save", str(ckpt), "--save-interval", "2"],
+                     MHC_FP32_DUMP=str(tmp_path / "full.pt"))
+    resumed = _torchrun(["pretrain", *flags, "--load", str(ckpt), "--ckpt-step", "2"],
+                        MHC_FP32_DUMP=str(tmp_path / "resumed.pt"))
+    assert "successfully saved checkpoint" in full and "successfully loaded checkpoint" in resumed
+    full_losses, resumed_losses = _train_losses(full), _train_losses(resumed)
+    assert len(full_losses) == 2 * ITERS and len(resumed_losses) == ITERS
+    assert full_losses[ITERS:] == resumed_losses
+
+    a, b = (torch.load(tmp_path / f, weights_only=True) for f in ("full.pt", "resumed.pt"))
+    assert a["params"].keys() == b["params"].keys()
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), name
+        assert p.dtype == (torch.float32 if name in a["mapping"] else torch.bfloat16), name
+    assert a["mapping"] and all(a["main_param_is_fp32_copy"].values())
+
+    # The checkpoint at step 2: fp32 model tensors and a full fp32 optimiser state for them.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    for name in a["mapping"]:
+        key = _ckpt_key(name)
+        assert meta[key].properties.dtype == torch.float32, key
+        for state in ("fp32_param", "exp_avg", "exp_avg_sq"):
+            assert meta[f"optimizer.state.{state}.{key}"].properties.dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks (the GPU runs are elsewhere)")
+def test_megatron_core_optimizers_on_two_data_parallel_ranks(tmp_path):
+    """Float16 and distributed optimiser, DP=2: gradients of the fp32 buffer reduce like the
+    others, the fp32 parameters stay fp32 (the distributed optimiser updates them in place),
+    and every checkpoint format resumes bit for bit; without the fix Megatron still fails."""
+    out = _torchrun(["core", str(tmp_path)], nproc=2)
+    assert "CORE CHECKS PASSED" in out, out[-6000:]
+
+
+# ---------------------------------------------------------------------------------------
+# What the torchrun processes run.
+# ---------------------------------------------------------------------------------------
+
+def _mapping_names(module) -> list[str]:
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+    return [f"{mod_name}.{p_name}" for mod_name, mod in module.named_modules()
+            if isinstance(mod, HyperConnectionModule)
+            for p_name, _ in mod.named_parameters(recurse=False)]
+
+
+def _pretrain_main(argv) -> None:
+    sys.path.insert(0, str(EXAMPLE.parent))
+    sys.argv = [str(EXAMPLE), *argv]
+    import megatron.training.training as training
+    import pretrain_gpt_mhc
+
+    from mhc_megatron.training.fp32_params import fp32_params_in_megatron_training
+
+    built = {}
+    with fp32_params_in_megatron_training():
+        fixed = training.get_megatron_optimizer
+
+        def capture(config, model_chunks, *args, **kwargs):
+            built["model"], built["opt"] = model_chunks, fixed(config, model_chunks, *args, **kwargs)
+            return built["opt"]
+
+        training.get_megatron_optimizer = capture
+        try:
+            pretrain_gpt_mhc.main()
+        finally:
+            training.get_megatron_optimizer = fixed
+    dump = os.environ.get("MHC_FP32_DUMP")
+    if dump and torch.distributed.get_rank() == 0:
+        (chunk,) = built["model"]
+        mapping = set(_mapping_names(chunk))
+        params = dict(chunk.named_parameters())
+        torch.save({
+            "params": {n: p.detach().clone() for n, p in params.items()},
+            "mapping": sorted(mapping),
+            "main_param_is_fp32_copy": {
+                n: params[n].main_param.dtype == torch.float32
+                and params[n].main_param.data_ptr() != params[n].data_ptr()
+                and torch.equal(params[n].main_param, params[n].detach())
+                for n in mapping},
+        }, dump)
+
+
+class _Core:
+    """One tiny bf16 mHC GPT (fp32 mapping params) in Float16Module + DDP + a Megatron
+    optimiser, on the data-parallel group of all ranks."""
+
+    def __init__(self, kind: str, fix: bool = True):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        sys.path.insert(0, str(THIS.parent))
+        from helpers import build_gpt, tiny_config
+
+        from mhc_megatron.training.fp32_params import make_fp32_params_checkpointable
+
+        torch.manual_seed(1234)
+        config = tiny_config(bf16=True, params_dtype=torch.bfloat16,
+                             mhc_params_dtype=torch.float32)
+        distributed = kind == "distributed"
+        model = Float16Module(config, build_gpt(config))
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=distributed)
+        self.model = DistributedDataParallel(config, ddp_config, model)
+        self.opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0,
+                            bf16=True, use_distributed_optimizer=distributed), [self.model])
+        if fix:
+            make_fp32_params_checkpointable(self.opt)
+        self.kind = kind
+        self.mapping = set(_mapping_names(self.model))
+        self.params = dict(self.model.named_parameters())
+
+    def backward(self, step: int):
+        from helpers import batch, lm_loss
+
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+        rank = torch.distributed.get_rank()
+        loss = lm_loss(self.model, batch(seed=100 * step + rank))
+        loss.backward()
+        return loss
+
+    def step(self, step: int) -> float:
+        loss = self.backward(step)
+        self.model.finish_grad_sync()
+        ok, _, _ = self.opt.step()
+        assert ok
+        return loss.item()
+
+    def metadata(self, sharding_type=None) -> dict:
+        from megatron.core import parallel_state
+
+        meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+                "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if sharding_type:
+            meta["distrib_optim_sharding_type"] = sharding_type
+        return meta
+
+    def sharded_state_dict(self, sharding_type=None, is_loading=False) -> dict:
+        from megatron.core.utils import unwrap_model
+
+        meta = self.metadata(sharding_type)  # the model as Megatron saves it: unwrapped
+        sd = {"model": unwrap_model(self.model).sharded_state_dict(metadata=meta)}
+        sd["optimizer"] = self.opt.sharded_state_dict(sd, is_loading=is_loading, metadata=meta)
+        return sd
+
+    def save(self, path: Path, sharding_type=None):
+        from megatron.core import dist_checkpointing
+
+        if torch.distributed.get_rank() == 0:
+            path.mkdir(parents=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self.sharded_state_dict(sharding_type), str(path))
+
+    def load(self, path: Path, sharding_type=None):
+        """As megatron.training.checkpointing.load_checkpoint does for torch_dist."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.utils import unwrap_model
+
+        state = dist_checkpointing.load(self.sharded_state_dict(sharding_type, is_loading=True),
+                                        str(path))
+        unwrap_model(self.model).load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+
+    def snapshot(self) -> dict:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+
+def _check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def _same(a: dict, b: dict, what: str):
+    for name in a:
+        _check(torch.equal(a[name], b[name]), f"{what}: {name} differs")
+
+
+def _check_training_invariants(core: _Core):
+    """Dtypes, gradient reduction of both buffers, fp32 update in place, ranks in sync."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    world = torch.distributed.get_world_size()
+    _check(core.mapping, "no mapping parameters found")
+    for name, p in core.params.items():
+        want = torch.float32 if name in core.mapping else torch.bfloat16
+        _check(p.dtype == want, f"{name}: {p.dtype}, expected {want}")
+        _check(p.main_grad.dtype == torch.float32, f"{name}: main_grad {p.main_grad.dtype}")
+
+    # One step by hand: the reduced gradients = the mean of the ranks' local gradients.
+    core.backward(step=0)
+    expected = {}
+    for name, p in core.params.items():
+        g = p.main_grad.detach().clone() / world
+        torch.distributed.all_reduce(g)
+        expected[name] = g
+    core.model.finish_grad_sync()
+    (opt,) = core.opt.chained_optimizers
+    for name, p in core.params.items():
+        got, want = p.main_grad.view(-1), expected[name].view(-1)
+        if isinstance(opt, DistributedOptimizer):  # reduce-scatter: this rank's shard only
+            if p not in opt.model_param_gbuf_map:
+                continue  # no shard of p on this rank
+            r = opt._get_model_param_range_map(p)["param"]
+            got, want = got[r.start:r.end], want[r.start:r.end]
+        _check(torch.allclose(got, want, rtol=1e-6, atol=0), f"{name}: gradient not reduced")
+    ok, _, _ = core.opt.step()
+    _check(ok, "step failed")
+
+    for name in core.mapping:
+        p = core.params[name]
+        _check(p.dtype == torch.float32, f"{name} left fp32 in training")
+        if isinstance(opt, DistributedOptimizer):
+            # Its "main param" is a shard view of the fp32 model param itself.
+            if p not in opt.model_param_gbuf_map:
+                continue
+            main = opt._get_main_param_and_optimizer_states(p)["param"]
+            r = opt._get_model_param_range_map(p)["param"]
+            _check(main.dtype == torch.float32 and main.numel() == r.size, name)
+            _check(torch.equal(main, p.detach().view(-1)[r.start:r.end]), name)
+            start = p.untyped_storage().data_ptr()
+            _check(start <= main.data_ptr() < start + p.untyped_storage().nbytes(),
+                   f"{name}: the distributed optimiser's shard is not a view of the param")
+        else:
+            _check(p.main_param.dtype == torch.float32 and torch.equal(p.main_param, p.detach()),
+                   name)
+    # Every rank holds the same parameters after the step (all-reduce or all-gather).
+    for name, p in core.params.items():
+        copies = [torch.empty_like(p) for _ in range(world)]
+        torch.distributed.all_gather(copies, p.detach().contiguous())
+        _check(all(torch.equal(c, copies[0]) for c in copies), f"{name}: ranks differ")
+
+
+def _check_resume(kind: str, sharding_type, tmp: Path):
+    """Steps 1-2, save, a fresh model and optimiser load, steps 3-4 == an uninterrupted run."""
+    reference = _Core(kind)
+    ref_losses = [reference.step(s) for s in range(1, 5)]
+    ref_params = reference.snapshot()
+
+    first = _Core(kind)
+    losses = [first.step(s) for s in (1, 2)]
+    path = tmp / f"{kind}-{sharding_type}"
+    first.save(path, sharding_type)
+
+    second = _Core(kind)
+    if kind == "distributed":
+        second.step(99)  # allocates the Adam state (see the module docstring); overwritten
+    second.load(path, sharding_type)
+    _same(first.snapshot(), second.snapshot(), f"{kind}/{sharding_type}: loaded parameters")
+    losses += [second.step(s) for s in (3, 4)]
+    _check(losses == ref_losses, f"{kind}/{sharding_type}: losses {losses} != {ref_losses}")
+    _same(ref_params, second.snapshot(), f"{kind}/{sharding_type}: parameters after step 4")
+    for name in second.mapping:
+        _check(second.params[name].dtype == torch.float32, f"{name} not fp32 after resume")
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name in second.mapping:
+        key = _ckpt_key(name)
+        _check(meta[key].properties.dtype == torch.float32, f"{key} not fp32 in the checkpoint")
+
+
+def _check_megatron_still_fails_without_the_fix(kind: str, sharding_type):
+    core = _Core(kind, fix=False)
+    core.step(1)
+    try:
+        core.sharded_state_dict(sharding_type)
+    except (KeyError, ValueError, AssertionError):
+        return
+    raise AssertionError(
+        f"Megatron's {kind} optimiser now builds the sharded state of a bf16 model with fp32 "
+        "parameters by itself: check whether mhc_megatron.training.fp32_params is still needed")
+
+
+def _core_main(tmp: str) -> None:
+    from megatron.core import parallel_state
+
+    from mhc_megatron.testing import cpu_training
+
+    cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    tmp = Path(tmp)
+    for kind, sharding_types in (("float16", [None]),
+                                 ("distributed", ["dp_reshardable", "fully_reshardable",
+                                                  "fully_sharded_model_space"])):
+        _check_training_invariants(_Core(kind))
+        _check_megatron_still_fails_without_the_fix(kind, sharding_types[0])
+        for sharding_type in sharding_types:
+            _check_resume(kind, sharding_type, tmp)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        print("CORE CHECKS PASSED", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    if mode == "pretrain":
+        _pretrain_main(rest)
+    elif mode == "core":
+        _core_main(*rest)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
