@@ -8,7 +8,9 @@
 Everything is Megatron's: ``parse_and_validate_args``, ``pretrain`` (DDP, the distributed
 optimiser, LR schedule, grad clipping, logging, checkpoint save/resume), the GPT dataset.
 mhc-megatron adds its flags (``add_mhc_arguments``), the mHC transformer config and the
-decoder-block spec (``mhc_gpt_model_config_from_args``). Without ``--enable-hyper-connections``
+decoder-block spec (``mhc_gpt_model_config_from_args``), and makes Megatron's optimisers
+checkpoint fp32 mapping parameters in a bf16/fp16 run (``--mhc-params-dtype fp32``,
+``fp32_params_in_megatron_training``; a no-op for a model of one dtype). Without ``--enable-hyper-connections``
 the same script trains the baseline (the mHC spec with mHC off is Megatron's own layer).
 
 Data: any Megatron indexed dataset with its tokenizer, e.g. the Python standard library as
@@ -119,12 +121,16 @@ def main():
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from mhc_megatron.training import mhc_gpt_model_config_from_args
+    from mhc_megatron.training import (
+        fp32_params_in_megatron_training,
+        mhc_gpt_model_config_from_args,
+    )
 
     args = parse_and_validate_args(extra_args_provider=example_arguments)
     model_cfg = mhc_gpt_model_config_from_args(args)  # the config's refusals fire here
-    pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
-             ModelType.encoder_or_decoder, forward_step)
+    with fp32_params_in_megatron_training():  # --mhc-params-dtype fp32 with --bf16/--fp16
+        pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ ignored.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -70,11 +69,11 @@ class MHCTransformerConfig(TransformerConfig):
     """Storage dtype of the mapping parameters (phi, alpha, bias). None (default): follow
     ``params_dtype`` like every other weight. torch.float32 (as Megatron-LM's in-tree mHC):
     they stay fp32 through Float16Module and any model-wide dtype cast, so the forward never
-    sees bf16-rounded H_res logits; but Megatron-Core 0.19.2's optimisers cannot checkpoint a
-    bf16/fp16 model holding fp32 parameters (its float16 optimiser maps only float16
-    parameters to the model's sharded state, and the distributed optimiser's reshardable
-    state asserts on the second dtype buffer), so with Megatron's training loop and
-    ``--save`` keep the default."""
+    sees bf16-rounded H_res logits. Megatron-Core 0.19.2's optimisers train such a model but
+    do not checkpoint it by themselves: apply
+    ``mhc_megatron.training.fp32_params.make_fp32_params_checkpointable`` to the optimiser
+    from ``get_megatron_optimizer``, or run Megatron's ``pretrain`` inside
+    ``fp32_params_in_megatron_training()`` (``examples/pretrain_gpt_mhc.py`` does)."""
 
     def __post_init__(self):
         # Before Megatron's own checks: where Megatron asserts on the same feature (e.g.
@@ -84,13 +83,6 @@ class MHCTransformerConfig(TransformerConfig):
         # And after: Megatron derives some fields (cuda_graph_impl from enable_cuda_graph,
         # the virtual pipeline size from num_layers_per_virtual_pipeline_stage, ...).
         validate_mhc_config(self)
-        if self.mhc_params_dtype is not None and self.mhc_params_dtype != self.params_dtype:
-            warnings.warn(
-                f"mhc_params_dtype={self.mhc_params_dtype} differs from params_dtype="
-                f"{self.params_dtype}: Megatron-Core 0.19.2's optimisers cannot save checkpoints "
-                "of such a model (Float16OptimizerWithFloat16Params: KeyError; distributed "
-                "optimiser: shape assertion). Fix: leave mhc_params_dtype=None when training "
-                "with Megatron's optimiser and checkpoints.", UserWarning, stacklevel=2)
 
     @property
     def mhc_recompute_block_size(self) -> int:

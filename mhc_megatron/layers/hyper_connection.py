@@ -64,7 +64,9 @@ class HyperConnectionModule(MegatronModule):
     like Megatron's norm weights, so under sequence parallelism (each TP rank sees other
     tokens) ``finalize_model_grads`` sums their gradients over the TP group. They are stored
     in ``params_dtype``, or in ``config.mhc_params_dtype`` when that is set (kept through
-    model-wide dtype casts, see :meth:`_apply`). The math runs in fp32 whatever the parameter and activation dtypes.
+    model-wide dtype casts, see :meth:`_apply`; Megatron's optimisers checkpoint such fp32
+    parameters of a bf16/fp16 model with :mod:`mhc_megatron.training.fp32_params`). The math
+    runs in fp32 whatever the parameter and activation dtypes.
     """
 
     def __init__(self, config, hidden_size: int | None = None):

@@ -37,6 +37,12 @@ _INSTALLED = False
 
 
 class _NoStream:
+    """Stands in for ``torch.cuda.Stream`` (a class, so annotations such as
+    ``torch.cuda.Stream | None`` in other libraries still evaluate)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
     def wait_stream(self, *args, **kwargs):
         pass
 
@@ -74,7 +80,7 @@ def _install_cuda_to_cpu_mode() -> None:
             return func(*args, **kwargs)
 
     CudaToCpu().__enter__()  # active for the rest of the process
-    torch.cuda.Stream = lambda *a, **k: _NoStream()
+    torch.cuda.Stream = _NoStream
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.empty_cache = lambda: None

@@ -8,7 +8,10 @@ Both of Megatron-Core 0.19's entry styles:
 * config container: ``GPTModelConfig(transformer=MHCTransformerConfig(...),
   transformer_layer_spec=mhc_block_spec, ...)``.
 
-``examples/pretrain_gpt_mhc.py`` is a complete pretraining script built on these.
+``examples/pretrain_gpt_mhc.py`` is a complete pretraining script built on these. With
+``--mhc-params-dtype fp32`` in a bf16/fp16 run, Megatron-Core 0.19.2's optimisers need
+:mod:`mhc_megatron.training.fp32_params` to checkpoint the fp32 mapping parameters: the
+script runs ``pretrain`` inside ``fp32_params_in_megatron_training()``.
 """
 
 from mhc_megatron.training.arguments import add_mhc_arguments, apply_mhc_argument_aliases
@@ -16,12 +19,18 @@ from mhc_megatron.training.config import (
     mhc_gpt_model_config_from_args,
     mhc_transformer_config_from_args,
 )
+from mhc_megatron.training.fp32_params import (
+    fp32_params_in_megatron_training,
+    make_fp32_params_checkpointable,
+)
 from mhc_megatron.training.spec import mhc_block_spec
 
 __all__ = [
     "add_mhc_arguments",
     "apply_mhc_argument_aliases",
+    "fp32_params_in_megatron_training",
     "mhc_block_spec",
     "mhc_gpt_model_config_from_args",
     "mhc_transformer_config_from_args",
+    "make_fp32_params_checkpointable",
 ]

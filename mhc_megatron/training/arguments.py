@@ -63,8 +63,9 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--mhc-params-dtype", type=_params_dtype, default=_default("mhc_params_dtype"),
                    metavar="{params,fp32}",
                    help="Storage of the mapping parameters: params (default: --params-dtype) "
-                        "or fp32 (not checkpointable by Megatron-Core 0.19.2's optimisers in a "
-                        "bf16/fp16 run).")
+                        "or fp32 (kept fp32 in a bf16/fp16 run; Megatron's optimisers need "
+                        "mhc_megatron.training.fp32_params to checkpoint them, which "
+                        "examples/pretrain_gpt_mhc.py applies).")
     return parser
 
 

@@ -8,8 +8,14 @@ Megatron's load-balanced layout: the sequence is cut into 2*CP chunks and CP ran
 chunks r and 2*CP-1-r (tokens, positions and labels alike). The CP=1 reference runs the whole
 sequence; its per-token losses, taken on rank r's chunks, give rank r's loss. The gradient
 reference is that of the sum of both ranks' losses; the CP=2 gradients are summed over the CP
-group as Megatron's data-parallel (DP x CP) reduction does. bf16, so compared as relative
-errors of whole tensors (a bf16 rounding is 4e-3). Dense and MoE, with and without mHC recompute.
+group as Megatron's data-parallel (DP x CP) reduction does. Dense and MoE, with and without
+mHC recompute.
+
+bf16 rounding alone moves small reductions (e.g. the 3-element ``alpha`` gradients) by a few
+per cent, so a fixed bf16 tolerance is either loose or flaky. The bound is calibrated per
+tensor instead: an fp32 CP=1 run of the same weights is the truth, the bf16 CP=1 run's error
+against it is the rounding noise, and CP=2's error may be at most NOISE_FACTOR times that
+(plus a small floor). A wrong chunk layout or a missing reduction gives errors of order 1.
 """
 
 from __future__ import annotations
@@ -20,16 +26,16 @@ import torch
 from helpers import SEQ, batch, moe_overrides
 
 CP = 2
-LOSS_RTOL = 1e-2   # bf16 activations, attention reordered into CP's ring
-GRAD_REL = 3e-2    # ||g_cp - g_ref|| / ||g_ref|| per parameter
+NOISE_FACTOR = 3.0
+FLOOR = 5e-3
 
 
-def _config(kind: str, cp: int, recompute: bool):
+def _config(kind: str, cp: int, recompute: bool, bf16: bool = True):
     extra = moe_overrides() if kind == "moe" else {}
     if recompute:
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
-    return harness.config(context_parallel_size=cp, params_dtype=torch.bfloat16, bf16=True,
-                          **extra)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return harness.config(context_parallel_size=cp, params_dtype=dtype, bf16=bf16, **extra)
 
 
 def _chunks(rank: int) -> torch.Tensor:
@@ -43,46 +49,64 @@ def _token_losses(model, ids, pos, labels) -> torch.Tensor:
     return model(ids, pos, None, labels=labels).float()  # [b, s]; causal mask from the spec
 
 
+def _whole_sequence(model, weights, data):
+    """CP=1: per-rank losses (rank r's chunks of the whole sequence) and grads of their sum."""
+    ids, pos, _, labels = data
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    per_token = _token_losses(model, ids, pos, labels)
+    losses = [per_token[:, _chunks(r)].mean() for r in range(CP)]
+    sum(losses).backward()
+    return [l.item() for l in losses], {n: p.grad.detach().float().clone()
+                                        for n, p in model.named_parameters()}
+
+
 def check(kind: str, recompute: bool) -> None:
     from megatron.core import parallel_state
 
-    ids, pos, _, labels = batch(batch_size=2, seed=21, device=harness.DEVICE)
+    data = batch(batch_size=2, seed=21, device=harness.DEVICE)
+    ids, pos, _, labels = data
     rank = torch.distributed.get_rank()
 
     harness.init_parallel(cp=1)
-    ref = harness.model(_config(kind, 1, False))
-    per_token = _token_losses(ref, ids, pos, labels)
-    ref_losses = [per_token[:, _chunks(r)].mean() for r in range(CP)]
-    sum(ref_losses).backward()
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ref_grads = {n: p.grad.detach().float().clone() for n, p in ref.named_parameters()}
+    ref16 = harness.model(_config(kind, 1, False))
+    weights = {n: p.detach().clone() for n, p in ref16.named_parameters()}
+    losses16, grads16 = _whole_sequence(ref16, weights, data)
+    ref32 = harness.model(_config(kind, 1, False, bf16=False))
+    losses32, grads32 = _whole_sequence(ref32, weights, data)  # the bf16 weights, exactly
 
     harness.init_parallel(cp=CP)
     assert parallel_state.get_context_parallel_rank() == rank
     model = harness.model(_config(kind, CP, recompute))
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(ref_params[n])
+            p.copy_(weights[n])
     mine = _chunks(rank)
     loss = _token_losses(model, ids[:, mine], pos[:, mine], labels[:, mine]).mean()
     loss.backward()
-    err = abs(loss.item() - ref_losses[rank].item()) / abs(ref_losses[rank].item())
-    assert err <= LOSS_RTOL, f"[cp {kind} rc={recompute}] loss {loss.item()} vs {ref_losses[rank].item()}"
+    truth, noise = losses32[rank], abs(losses16[rank] - losses32[rank])
+    loss_err = abs(loss.item() - truth)
+    assert loss_err <= NOISE_FACTOR * noise + FLOOR * abs(truth), \
+        f"[cp {kind} rc={recompute}] loss {loss.item()} vs fp32 {truth} (bf16 CP=1: {losses16[rank]})"
 
     worst, worst_name, checked_mhc = 0.0, "", 0
     group = parallel_state.get_context_parallel_group()
     for n, p in model.named_parameters():
         g = p.grad.detach().float().clone()
         torch.distributed.all_reduce(g, group=group)
-        e = harness.relative_error(g, ref_grads[n])
-        assert e <= GRAD_REL, f"[cp {kind} rc={recompute}] grad of {n}: relative error {e:.2e}"
-        if e > worst:
-            worst, worst_name = e, n
+        err, noise = harness.relative_error(g, grads32[n]), harness.relative_error(grads16[n], grads32[n])
+        assert err <= NOISE_FACTOR * noise + FLOOR, (
+            f"[cp {kind} rc={recompute}] grad of {n}: CP=2 relative error {err:.2e} against fp32, "
+            f"bf16 CP=1 has {noise:.2e}")
+        ratio = err / (noise + FLOOR)
+        if ratio > worst:
+            worst, worst_name = ratio, f"{n}: {err:.2e} vs bf16 noise {noise:.2e}"
         checked_mhc += "hyper_connection" in n
     assert checked_mhc == 6 * model.config.num_layers
     print(f"PASS rank={rank} cp=2 kind={kind} recompute={recompute} {harness.describe()} bf16 "
-          f"loss={loss.item():.6f} ref={ref_losses[rank].item():.6f} loss_rel_err={err:.2e} "
-          f"worst_grad_rel_err={worst:.2e} ({worst_name}) mhc_params={checked_mhc}", flush=True)
+          f"loss={loss.item():.6f} fp32_ref={truth:.6f} bf16_ref={losses16[rank]:.6f} "
+          f"worst_grad=({worst_name}) mhc_params={checked_mhc}", flush=True)
 
 
 def main():

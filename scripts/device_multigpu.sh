@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The 2-GPU host (nvidia-h200-x2) in phases, one call each; logs and a summary go to $OUT.
+#   carry [".whl"] (+ TE, built first with ../shared/tools/te-on-gpu: export
+#   PYTHONPATH=/tmp/tebuild/site before calling this script, in the same command)
+#   PHASE=pretrain  examples/pretrain_gpt_mhc.py, ~113M-parameter GPT on the stdlib corpus over
+#                   NCCL, for each LAYOUT (default "tp2sp dp2"): baseline STEPS steps, and mHC
+#                   n=4 interrupted at STEPS/2 and resumed from its checkpoint.
+#                   tp2sp = TP=2 + sequence parallel (TE specs where TE is installed);
+#                   dp2 = DP=2 with Megatron's distributed optimiser.
+#   PHASE=dist      tests/test_distributed.py on the GPUs (TP/EP/checkpoint-resharding/CP
+#                   equivalence; with TE's specs and with Megatron's local modules).
+#   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter).
+set -uo pipefail
+OUT="${OUT:-out/device}"; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+NGPU="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
+python3 -c "import torch, triton, megatron.core as m; print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), '| torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', m.__version__)" | tee -a "$OUT/env.txt"
+python3 -c "import transformer_engine as t; print('Transformer Engine', t.__version__)" 2>/dev/null | tee -a "$OUT/env.txt"
+TE=0; python3 -c "import transformer_engine.pytorch" 2>/dev/null && TE=1
+PHASE="${PHASE:-pretrain}"
+
+if [ "$PHASE" = pretrain ]; then
+  STEPS="${STEPS:-300}"
+  python3 examples/prepare_stdlib_corpus.py /tmp/data/stdlib --max-mb 8 > /dev/null
+  # no apex here: its fused weight-gradient kernel (Megatron's default for the output layer) is off
+  LOCAL="--no-gradient-accumulation-fusion"; [ "$TE" = 1 ] || LOCAL="$LOCAL --transformer-impl local \
+    --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion"
+  BASE="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
+    --max-position-embeddings 1024 --position-embedding-type rope --normalization RMSNorm --swiglu \
+    --disable-bias-linear --micro-batch-size 8 --global-batch-size 16 --train-iters $STEPS \
+    --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --clip-grad 1.0 \
+    --weight-decay 0.1 --bf16 --data-path /tmp/data/stdlib --split 98,1,1 \
+    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval 10 --eval-interval 50 \
+    --eval-iters 10 --log-throughput --seed 1234 $LOCAL"
+  for layout in ${LAYOUT:-tp2sp dp2}; do
+    case $layout in
+      tp2sp) PAR="--tensor-model-parallel-size 2 --sequence-parallel" ;;
+      dp2) PAR="--use-distributed-optimizer" ;;
+      *) echo "unknown layout $layout"; exit 2 ;;
+    esac
+    run() { torchrun --standalone --nproc-per-node="$NGPU" examples/pretrain_gpt_mhc.py $BASE $PAR "$@"; }
+    ck=/tmp/ckpt_$layout
+    run > "$OUT/${layout}_baseline.log" 2>&1; echo "$layout baseline rc=$?"
+    run --enable-hyper-connections --num-residual-streams 4 --save $ck --save-interval $((STEPS / 2)) \
+      --exit-interval $((STEPS / 2)) > "$OUT/${layout}_mhc_part1.log" 2>&1; echo "$layout mhc part1 rc=$?"
+    run --enable-hyper-connections --num-residual-streams 4 --load $ck --save $ck \
+      --save-interval $((STEPS / 2)) > "$OUT/${layout}_mhc_part2.log" 2>&1; echo "$layout mhc part2 rc=$?"
+    for f in "$OUT/${layout}"_*.log; do
+      echo "== $f"; grep -E "loaded checkpoint|saved checkpoint|validation loss at iteration|max allocated|iteration +($((STEPS / 2))|$STEPS)/" "$f" | cut -c1-400 | tail -6
+      grep -E "Error|error:" "$f" | tail -3
+    done
+  done 2>&1 | tee "$OUT/pretrain_summary.txt"
+  for bad in "--num-residual-streams 0" "--pipeline-model-parallel-size 2"; do  # a clean stop
+    timeout 300 torchrun --standalone --nproc-per-node="$NGPU" examples/pretrain_gpt_mhc.py $BASE \
+      --enable-hyper-connections $bad > /tmp/bad.log 2>&1
+    echo "bad flags '$bad': rc=$? (124 = hang), ranks with the config error:" \
+      "$(grep -c 'ValueError: mHC config: ' /tmp/bad.log)"; grep -m1 'ValueError: mHC config: ' /tmp/bad.log
+  done 2>&1 | tee -a "$OUT/pretrain_summary.txt"
+elif [ "$PHASE" = dist ]; then
+  python3 -m pytest tests/test_distributed.py -v -s -p no:cacheprovider -k "not cpu" 2>&1 \
+    | grep -E "PASS|PASSED|FAILED|SKIPPED|Error|error|passed|failed" | cut -c1-600 | tee "$OUT/dist_tests.log"
+elif [ "$PHASE" = example ]; then
+  python3 -m pytest tests/test_pretrain_example.py -v -p no:cacheprovider -k "(cuda or gpu) ${K:+and ($K)}" \
+    --durations=20 2>&1 | tail -120 | tee "$OUT/example_tests.log"
+fi
