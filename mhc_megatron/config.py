@@ -150,10 +150,14 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
         _fail("mtp_num_layers", "multi-token prediction is not supported with "
               "hyper-connections yet (its layers reuse decoder layer numbers and run on [s, b, C])",
               "set mtp_num_layers=None")
-    if config.recompute_granularity == "full":
-        _fail("recompute_granularity", "'full' recompute is not supported with hyper-connections",
-              "use recompute_granularity='selective' (or None) and mhc_recompute=True for the "
-              "n-stream activations; selective modules act inside one sublayer")
+    if config.mhc_recompute and config.recompute_granularity == "full":
+        _fail("mhc_recompute / recompute_granularity",
+              "mhc_recompute=True with 'full' recompute is not supported: Megatron's full "
+              "recompute already replays whole layers (the mHC ops included) in backward, and "
+              "an mHC recompute block spanning one of its checkpoint chunks would replay ops its "
+              "first, gradient-free forward never recorded",
+              "use one of them: recompute_granularity='full' alone (the least memory), or "
+              "mhc_recompute=True with recompute_granularity=None/'selective'")
     if config.mhc_recompute and config.recompute_granularity == "selective" and \
             "mlp" in (config.recompute_modules or []):
         _fail("recompute_modules", "'mlp' selective recompute with mhc_recompute=True is not "

@@ -70,8 +70,9 @@ REFUSED = {
                               virtual_pipeline_model_parallel_size=2),
                          "virtual_pipeline_model_parallel_size"),
     "mtp": (dict(mtp_num_layers=1), "mtp_num_layers"),
-    "full_recompute": (dict(recompute_granularity="full", recompute_method="uniform",
-                            recompute_num_layers=1), "recompute_granularity"),
+    "full_recompute_with_mhc_recompute": (
+        dict(mhc_recompute=True, recompute_granularity="full", recompute_method="uniform",
+             recompute_num_layers=1), "recompute_granularity"),
     "post_ln_residual": (dict(apply_residual_connection_post_layernorm=True),
                          "apply_residual_connection_post_layernorm"),
     "cuda_graph_local": (dict(cuda_graph_impl="local"), "cuda_graph_impl"),

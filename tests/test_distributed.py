@@ -50,12 +50,14 @@ def _expect(out: str, lines: list[str]) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("setup", SETUPS)
 def test_tensor_parallel_matches_single_rank(setup):
-    """TP=2 (+SP, + mHC recompute; dense and MoE) == TP=1: loss and every gradient."""
+    """TP=2 (+SP, + mHC recompute, + Megatron's full recompute; dense and MoE) == TP=1: loss
+    and every gradient."""
     out = _torchrun("tp_equivalence.py", setup)
     _expect(out, [f"kind={kind} sp={sp} recompute={rc} "
                   for kind, sp, rc in (("dense", False, False), ("dense", True, False),
                                        ("moe", True, False), ("dense", True, True),
-                                       ("moe", True, True))])
+                                       ("moe", True, True), ("dense", False, "full"),
+                                       ("moe", True, "full"))])
 
 
 @pytest.mark.distributed

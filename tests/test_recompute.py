@@ -176,3 +176,44 @@ def test_te_layernorm_recompute(megatron_single_rank, mhc_recompute):
     layers = recomputed[2].decoder.layers
     assert all(layer.recompute_pre_mlp_layernorm for layer in layers)
     _assert_same(plain, recomputed)
+
+
+def _count_layer_forwards(model) -> list[int]:
+    counts = [0] * len(model.decoder.layers)
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("method,layers", [("uniform", 1), ("uniform", 3), ("block", 1),
+                                           ("block", 4)])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_full_recompute_equals_no_recompute(megatron_single_rank, method, layers, kind):
+    """Megatron's full recompute (``recompute_granularity="full"``, its reentrant checkpoint
+    of whole layers, the n-stream state crossing each chunk boundary): the same loss and
+    every gradient as no recompute, over two steps on the same model (nothing stale between
+    steps), and the checkpointed layers really ran twice per step. (With ``mhc_recompute``
+    it is refused: tests/test_config.py.)"""
+    extra = moe_overrides() if kind == "moe" else {}
+    base = tiny_config(num_layers=LAYERS, **extra)
+    full = tiny_config(num_layers=LAYERS, recompute_granularity="full", recompute_method=method,
+                       recompute_num_layers=layers, **extra)
+    runs = []
+    for cfg in (base, full):
+        setup_cpu_megatron(seed=7)
+        model = build_gpt(cfg, DEV)
+        counts = _count_layer_forwards(model)
+        steps = []
+        for data_seed in (3, 4):
+            model.zero_grad(set_to_none=True)
+            loss = lm_loss(model, batch(device=DEV, seed=data_seed))
+            loss.backward()
+            steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                          model))
+        runs.append((steps, counts))
+    (plain_steps, plain_counts), (full_steps, full_counts) = runs
+    for plain, recomputed in zip(plain_steps, full_steps):
+        _assert_same(plain, recomputed)
+    assert plain_counts == [2] * LAYERS
+    checkpointed = set(range(LAYERS)) if method == "uniform" else set(range(layers))
+    assert full_counts == [4 if i in checkpointed else 2 for i in range(LAYERS)], full_counts

@@ -3,7 +3,8 @@
 Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/tp_equivalence.py
 (``harness.py``: CPU ranks over gloo, or GPUs over NCCL with the Triton kernels and TE specs
 where TE is installed.) Also with cross-layer mHC recompute on the TP=2 side (dense and MoE,
-sequence parallel). Each rank first builds the TP=1 model (same seed -> same weights on both
+sequence parallel), and with Megatron's full recompute (dense with its saved inputs distributed
+over TP, MoE with SP). Each rank first builds the TP=1 model (same seed -> same weights on both
 ranks), runs fwd+bwd, then rebuilds the model-parallel state with TP=2, loads the TP=1
 weights sharded along each parameter's partition_dim, runs fwd+bwd on the same batch, lets
 Megatron's own finalize step reduce the replicated (sequence-parallel) grads, and compares
@@ -20,7 +21,10 @@ from helpers import batch, lm_loss, moe_overrides
 
 def _config(kind, tp, sp, recompute=False):
     extra = moe_overrides() if kind == "moe" else {}
-    if recompute:  # cross-layer mHC recompute, one layer a block (2 blocks)
+    if recompute == "full":  # Megatron's full recompute, its saved inputs split over TP
+        extra.update(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1, distribute_saved_activations=not sp)
+    elif recompute:  # cross-layer mHC recompute, one layer a block (2 blocks)
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
     return harness.config(tensor_model_parallel_size=tp, sequence_parallel=sp, **extra)
 
@@ -83,13 +87,14 @@ def check(kind: str, sp: bool, recompute: bool = False) -> None:
 
 
 CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
-         ("dense", True, True), ("moe", True, True))
+         ("dense", True, True), ("moe", True, True), ("dense", False, "full"),
+         ("moe", True, "full"))
 
 
 def main():
     harness.init()
     # Megatron requires sequence parallelism for MoE with tensor parallelism.
-    # The TP=2 runs with mHC recompute are compared with TP=1 without it.
+    # The TP=2 runs with mHC or Megatron's full recompute are compared with TP=1 without it.
     for kind, sp, recompute in CASES:
         check(kind, sp, recompute)
 
