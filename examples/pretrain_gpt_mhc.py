@@ -50,8 +50,9 @@ def example_arguments(parser):
     add_mhc_arguments(parser)
     g = parser.add_argument_group("pretrain_gpt_mhc.py")
     g.add_argument("--log-micro-batch-loss", action="store_true",
-                   help="print every micro-batch's loss on rank 0 (exact per-step losses for "
-                        "tests; Megatron's own log averages since its last reset)")
+                   help="print every micro-batch's loss from one rank of the last pipeline "
+                        "stage (exact per-step losses for tests; Megatron's own log averages "
+                        "since its last reset)")
     return parser
 
 
@@ -75,12 +76,22 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
         mask = loss_mask.view(-1).float()
         loss = torch.sum(losses * mask)
         num_tokens = mask.sum().clone().detach().to(torch.int)
-        if log_micro_batch and torch.distributed.get_rank() == 0:
+        if log_micro_batch and _prints_losses():
             print(f"[micro-batch loss] {phase} {float(loss / num_tokens):.10f}", flush=True)
         report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
         return loss, num_tokens, report
 
     return output, loss_func
+
+
+def _prints_losses() -> bool:
+    """One rank of those that compute the loss: the last pipeline stage's first TP, CP and
+    DP rank."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and
+            ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 and
+            ps.get_data_parallel_rank() == 0)
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):

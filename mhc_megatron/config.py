@@ -10,12 +10,17 @@ ignored.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from mhc_megatron._logging import log_rank0
+
+_logger = logging.getLogger(__name__)
 
 KERNEL_BACKENDS = ("auto", "triton", "reference")
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, None)
@@ -76,6 +81,7 @@ class MHCTransformerConfig(TransformerConfig):
     ``fp32_params_in_megatron_training()`` (``examples/pretrain_gpt_mhc.py`` does)."""
 
     def __post_init__(self):
+        _derive_pipeline_fields(self)
         # Before Megatron's own checks: where Megatron asserts on the same feature (e.g.
         # inference_optimized layers), the user sees the mHC refusal and its fix instead.
         validate_mhc_config(self)
@@ -103,6 +109,31 @@ class MHCMLATransformerConfig(MLATransformerConfig, MHCTransformerConfig):
     that ``MHCTransformerConfig`` inherits. ``__post_init__`` runs MLA's, then ours
     (validation), then ``TransformerConfig``'s, through the cooperative ``super()`` chain.
     """
+
+
+def _derive_pipeline_fields(config) -> None:
+    """With pipeline parallelism the n streams ``[s, b, n*C]`` cross the stage boundaries,
+    but Megatron's schedules size their fixed P2P buffers ``[s, b, hidden_size]``. mHC therefore
+    turns on ``variable_seq_lengths`` (Megatron sends each tensor's 3-int shape ahead of it;
+    ``megatron.training`` has no flag for it and always sets it False). Megatron 0.19 refuses
+    that with the ``allgather`` token dispatcher even in dense models, where the dispatcher is
+    never built, so a dense model's dispatcher field becomes ``alltoall``; an MoE model with
+    ``allgather`` is refused by :func:`validate_mhc_config`. Logged once."""
+    if config.enable_hyper_connections is not True or config.pipeline_model_parallel_size <= 1:
+        return
+    changed = []
+    if not config.variable_seq_lengths:
+        config.variable_seq_lengths = True
+        changed.append("variable_seq_lengths=True")
+    if config.num_moe_experts is None and config.moe_token_dispatcher_type == "allgather":
+        config.moe_token_dispatcher_type = "alltoall"  # unused without experts
+        changed.append("moe_token_dispatcher_type='alltoall' (unused: no experts)")
+    if changed and not getattr(_derive_pipeline_fields, "logged", False):
+        _derive_pipeline_fields.logged = True
+        log_rank0(_logger, logging.INFO,
+                  "mHC with pipeline parallelism: the stage boundaries carry the n streams "
+                  "[s, b, n*C], so Megatron's P2P exchanges shapes first; set %s",
+                  ", ".join(changed))
 
 
 def validate_mhc_config(config: MHCTransformerConfig) -> None:
@@ -141,11 +172,20 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if not config.enable_hyper_connections:
         return
 
-    if config.pipeline_model_parallel_size > 1 or config.virtual_pipeline_model_parallel_size:
-        _fail("pipeline_model_parallel_size / virtual_pipeline_model_parallel_size",
-              "pipeline parallelism is not supported with hyper-connections yet (the P2P "
-              "shapes would have to carry [s, b, n*C])",
-              "set pipeline_model_parallel_size=1 and virtual_pipeline_model_parallel_size=None")
+    if config.pipeline_model_parallel_size > 1 and config.num_moe_experts and \
+            config.moe_token_dispatcher_type == "allgather":
+        _fail("moe_token_dispatcher_type",
+              "mHC with pipeline parallelism needs variable_seq_lengths (the stage boundaries "
+              "carry [s, b, n*C]), which Megatron 0.19 refuses with the allgather dispatcher",
+              "set moe_token_dispatcher_type='alltoall' (--moe-token-dispatcher-type alltoall)")
+    if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
+        _fail("pipeline_model_parallel_size / variable_seq_lengths",
+              "with pipeline parallelism the n residual streams [s, b, n*C] cross the stage "
+              "boundaries, but Megatron sizes its fixed P2P buffers [s, b, hidden_size]",
+              "set variable_seq_lengths=True (--variable-seq-lengths): Megatron then sends each "
+              "tensor's shape ahead of it; Megatron 0.19 accepts that only with "
+              "moe_token_dispatcher_type='alltoall' (--moe-token-dispatcher-type alltoall), also "
+              "for dense models, where the dispatcher is unused")
     if config.mtp_num_layers:
         _fail("mtp_num_layers", "multi-token prediction is not supported with "
               "hyper-connections yet (its layers reuse decoder layer numbers and run on [s, b, C])",

@@ -6,7 +6,7 @@
 #                   NCCL, for each LAYOUT (default "tp2sp dp2"): baseline STEPS steps, and mHC
 #                   n=4 interrupted at STEPS/2 and resumed from its checkpoint.
 #                   tp2sp = TP=2 + sequence parallel (TE specs where TE is installed);
-#                   dp2 = DP=2 with Megatron's distributed optimiser.
+#                   dp2 = DP=2 with Megatron's distributed optimiser; pp2 = PP=2 (1F1B).
 #   PHASE=dist      tests/test_distributed.py on the GPUs (TP/EP/checkpoint-resharding/CP
 #                   equivalence; with TE's specs and with Megatron's local modules).
 #   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter).
@@ -39,6 +39,7 @@ if [ "$PHASE" = pretrain ]; then
     case $layout in
       tp2sp) PAR="--tensor-model-parallel-size 2 --sequence-parallel" ;;
       dp2) PAR="--use-distributed-optimizer" ;;
+      pp2) PAR="--pipeline-model-parallel-size 2" ;;
       *) echo "unknown layout $layout"; exit 2 ;;
     esac
     run() { torchrun --standalone --nproc-per-node="$NGPU" examples/pretrain_gpt_mhc.py $BASE $PAR "$@"; }
@@ -53,7 +54,7 @@ if [ "$PHASE" = pretrain ]; then
       grep -E "Error|error:" "$f" | tail -3
     done
   done 2>&1 | tee "$OUT/pretrain_summary.txt"
-  for bad in "--num-residual-streams 0" "--pipeline-model-parallel-size 2"; do  # a clean stop
+  for bad in "--num-residual-streams 0" "--mhc-sinkhorn-iterations 0"; do  # a clean stop
     timeout 300 torchrun --standalone --nproc-per-node="$NGPU" examples/pretrain_gpt_mhc.py $BASE \
       --enable-hyper-connections $bad > /tmp/bad.log 2>&1
     echo "bad flags '$bad': rc=$? (124 = hang), ranks with the config error:" \

@@ -64,11 +64,9 @@ REFUSED = {
     "mlp_recompute_with_mhc_recompute": (
         dict(mhc_recompute=True, recompute_granularity="selective", recompute_modules=["mlp"]),
         "recompute_modules"),
-    "pipeline": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32),
-                 "pipeline_model_parallel_size"),
-    "virtual_pipeline": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-                              virtual_pipeline_model_parallel_size=2),
-                         "virtual_pipeline_model_parallel_size"),
+    "pipeline_moe_allgather": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                                    num_moe_experts=4, moe_token_dispatcher_type="allgather"),
+                               "moe_token_dispatcher_type"),
     "mtp": (dict(mtp_num_layers=1), "mtp_num_layers"),
     "full_recompute_with_mhc_recompute": (
         dict(mhc_recompute=True, recompute_granularity="full", recompute_method="uniform",
@@ -135,3 +133,20 @@ def test_fp32_mapping_params_in_a_bf16_model_are_accepted_quietly():
                                    mhc_params_dtype=torch.float32)
     assert cfg.mhc_params_dtype == torch.float32
     assert not [w for w in caught if "mhc_params_dtype" in str(w.message)]
+
+
+@pytest.mark.parametrize("vp", [None, 2])
+@pytest.mark.parametrize("experts", [None, 4])
+def test_pipeline_parallel_is_accepted_with_shape_exchange(vp, experts):
+    """PP (and virtual stages) are accepted: the n streams cross the stage boundaries, so the
+    config turns on Megatron's P2P shape exchange (variable_seq_lengths); a dense model's
+    unused dispatcher becomes alltoall, which Megatron requires with it; an MoE model keeps
+    the alltoall dispatcher it was given."""
+    extra = dict(num_moe_experts=experts, moe_token_dispatcher_type="alltoall") if experts else {}
+    cfg = MHCTransformerConfig(**BASE, pipeline_model_parallel_size=2,
+                               virtual_pipeline_model_parallel_size=vp,
+                               pipeline_dtype=torch.float32, **extra)
+    assert cfg.variable_seq_lengths and cfg.moe_token_dispatcher_type == "alltoall"
+    plain = MHCTransformerConfig(**BASE)  # without PP nothing changes
+    assert not plain.variable_seq_lengths and plain.moe_token_dispatcher_type == "allgather"
+

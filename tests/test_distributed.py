@@ -85,3 +85,17 @@ def test_context_parallel_matches_single_rank():
     out = _torchrun("cp_equivalence.py", "cuda-te")
     _expect(out, ["cp=2 kind=dense recompute=False ", "cp=2 kind=dense recompute=True ",
                   "cp=2 kind=moe recompute=False "])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setup", SETUPS)
+def test_pipeline_parallel_matches_single_rank(setup):
+    """PP=2 (1F1B) and PP=2 x 2 virtual stages (interleaved) == PP=1 through Megatron's own
+    schedules, 4 micro-batches: every micro-batch loss and every gradient, dense and MoE, with
+    and without mHC recompute (its blocks counted per pipeline chunk)."""
+    out = _torchrun("pp_equivalence.py", setup)
+    _expect(out, [f"pp=2 vp={vp} kind={kind} recompute={rc} "
+                  for kind, vp, rc in (("dense", None, False), ("dense", 2, False),
+                                       ("moe", None, False), ("moe", 2, False),
+                                       ("dense", None, True), ("dense", 2, True),
+                                       ("moe", None, True))])

@@ -226,30 +226,39 @@ def test_tensor_parallel_matches_single_rank(corpus, mhc_run):
            [mhc_run.logged[i] for i in range(1, ITERS + 1)], rtol=1e-5)
 
 
-@pytest.mark.parametrize("device,save_tp,load_tp,sp", [
-    ("cpu", 2, 1, False),
-    ("cpu", 1, 2, False),
-    pytest.param("cuda", 2, 1, False, marks=needs_2_gpus),
-    pytest.param("cuda", 1, 2, False, marks=needs_2_gpus),
-    pytest.param("cuda", 1, 2, True, marks=[needs_2_gpus, needs_te_norms]),
+# Parallel layouts of the same global batch (2 ranks, or 1): flags, number of processes.
+LAYOUTS = {"1": ([], 1), "tp2": (_tp(2), 2), "tp2sp": (_tp(2, sp=True), 2),
+           "pp2": (["--pipeline-model-parallel-size", "2"], 2)}
+
+
+@pytest.mark.parametrize("device,save,load", [
+    ("cpu", "tp2", "1"),
+    ("cpu", "1", "tp2"),
+    ("cpu", "1", "pp2"),
+    ("cpu", "pp2", "1"),
+    pytest.param("cuda", "tp2", "1", marks=needs_2_gpus),
+    pytest.param("cuda", "1", "tp2", marks=needs_2_gpus),
+    pytest.param("cuda", "1", "tp2sp", marks=[needs_2_gpus, needs_te_norms]),
+    pytest.param("cuda", "1", "pp2", marks=needs_2_gpus),
+    pytest.param("cuda", "pp2", "1", marks=needs_2_gpus),
 ])
-def test_checkpoint_resumes_at_another_tensor_parallel_size(corpus, tmp_path, device, save_tp,
-                                                           load_tp, sp):
-    """A run interrupted at iteration 3 and resumed at another TP size (Megatron's torch_dist
-    checkpoint reshards model and optimiser state) continues with the losses of the
-    uninterrupted run at the saving TP size (rtol 1e-5: only TP's reduction order differs).
+def test_checkpoint_resumes_at_another_parallel_layout(corpus, tmp_path, device, save, load):
+    """A run interrupted at iteration 3 and resumed at another TP or PP size (Megatron's
+    torch_dist checkpoint reshards model and optimiser state; with PP the n streams cross the
+    stage boundary) continues with the losses of the uninterrupted run at the saving layout
+    (rtol 1e-5: only the order of TP's reductions may differ; PP reorders nothing).
     Compared per micro-batch: after a resume, Megatron 0.19.2's logged iteration loss at the
     second iteration averages the first two (its running sums are not reset once)."""
     ckpt = str(tmp_path / "ckpt")
-    first = pretrain(corpus, *MHC, *_tp(save_tp, sp and save_tp > 1), "--save", ckpt,
-                     "--save-interval", "3", "--exit-interval", "3", nproc=save_tp,
-                     device=device).ok()
+    (save_flags, save_procs), (load_flags, load_procs) = LAYOUTS[save], LAYOUTS[load]
+    first = pretrain(corpus, *MHC, *save_flags, "--save", ckpt, "--save-interval", "3",
+                     "--exit-interval", "3", nproc=save_procs, device=device).ok()
     assert "successfully saved checkpoint" in first.out
-    second = pretrain(corpus, *MHC, *_tp(load_tp, sp and load_tp > 1), "--load", ckpt,
-                      nproc=load_tp, device=device).ok()
+    second = pretrain(corpus, *MHC, *load_flags, "--load", ckpt, nproc=load_procs,
+                      device=device).ok()
     assert "successfully loaded checkpoint" in second.out and sorted(second.logged) == [4, 5, 6]
-    whole = shared_run(corpus, *MHC, *_tp(save_tp, sp and save_tp > 1), nproc=save_tp,
-                       device=device)
+    whole = shared_run(corpus, *MHC, *save_flags, nproc=save_procs, device=device)
+    _close(first.train, whole.train[:2 * 3], rtol=1e-5)
     _close(second.train, whole.train[2 * 3:], rtol=1e-5)
 
 
@@ -265,7 +274,7 @@ def test_data_parallel_distributed_optimizer_matches_single_rank(corpus, device)
 
 @pytest.mark.parametrize("flags,field", [
     (["--num-residual-streams", "0"], "num_residual_streams"),
-    (["--pipeline-model-parallel-size", "2"], "pipeline_model_parallel_size"),
+    (["--mhc-sinkhorn-iterations", "0"], "mhc_sinkhorn_iterations"),
 ])
 def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
     """The config is built right after Megatron parses the flags, before any process group

@@ -97,8 +97,8 @@ def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
     states = []
     orig = MHCRecomputeManager._state_for
 
-    def spy(self, layer_number):
-        st = orig(self, layer_number)
+    def spy(self, layer_number, chunk_offset=0):
+        st = orig(self, layer_number, chunk_offset)
         if not states or states[-1] is not st:
             states.append(st)
         return st

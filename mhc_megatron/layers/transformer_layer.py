@@ -134,6 +134,11 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection)
         self.mlp_bda = _StreamCombine(self.mlp_hyper_connection)
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
+        # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
+        # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
+        # boundary. Megatron passes the chunk-local number and adds the offset itself.
+        local_number = kwargs.get("layer_number", args[0] if args else 1)
+        self.mhc_chunk_offset = self.layer_number - local_number
         _refuse_block_without_stream_contraction(_enclosing_block())
 
     def forward(self, *args, **kwargs):
@@ -141,7 +146,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         manager = getattr(self, "mhc_recompute_manager", None)
         if manager is None:
             return super().forward(*args, **kwargs)
-        with manager.layer_scope(self.layer_number):
+        with manager.layer_scope(self.layer_number, self.mhc_chunk_offset):
             return super().forward(*args, **kwargs)
 
     def _streams_in(self, hidden_states: Tensor) -> Tensor:

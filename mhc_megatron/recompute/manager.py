@@ -61,7 +61,7 @@ class _Placeholder:
 class _BlockState:
     """The recorded mHC ops of one block of layers during one forward pass."""
 
-    def __init__(self, manager: "MHCRecomputeManager", block_id: int):
+    def __init__(self, manager: "MHCRecomputeManager", block_id: tuple[int, int]):
         self.manager = manager
         self.block_id = block_id
         self.last_layer = 0
@@ -163,12 +163,14 @@ class MHCRecomputeManager:
         self.blocks_recomputed = 0
         self.ops_recomputed = 0
 
-    def block_of(self, layer_number: int) -> int:
-        """Block index of a global (1-based) layer number."""
-        return (layer_number - 1) // self.block_size
+    def block_of(self, layer_number: int, chunk_offset: int = 0) -> tuple[int, int]:
+        """Block of a global (1-based) layer number: ``(chunk_offset, index)``, blocks counted
+        from the first layer of the layer's pipeline chunk (``chunk_offset`` = that layer's
+        global number - 1), so that no block spans a pipeline-stage boundary."""
+        return chunk_offset, (layer_number - 1 - chunk_offset) // self.block_size
 
-    def _state_for(self, layer_number: int) -> _BlockState:
-        block = self.block_of(layer_number)
+    def _state_for(self, layer_number: int, chunk_offset: int = 0) -> _BlockState:
+        block = self.block_of(layer_number, chunk_offset)
         cur = self._current
         # A new block starts at a block boundary, and a new forward pass (the layer numbers
         # go back to the start) starts new blocks too.
@@ -178,12 +180,12 @@ class MHCRecomputeManager:
         return cur
 
     @contextlib.contextmanager
-    def layer_scope(self, layer_number: int):
+    def layer_scope(self, layer_number: int, chunk_offset: int = 0):
         """Run one layer's forward with its block's saved-tensor hooks (only with grad on)."""
         if not torch.is_grad_enabled():
             yield None
             return
-        state = self._state_for(layer_number)
+        state = self._state_for(layer_number, chunk_offset)
         token = _ACTIVE_BLOCK.set(state)
         try:
             with torch.autograd.graph.saved_tensors_hooks(state.pack, _BlockState.unpack):

@@ -50,7 +50,20 @@ class _NoStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _NoEvent()
+
+
+class _NoEvent:
+    """What ``_NoStream.record_event`` returns: CPU work is done when it is issued."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
 
 
 def _is_cuda(device) -> bool:
@@ -88,6 +101,19 @@ def _install_cuda_to_cpu_mode() -> None:
     torch.cuda.set_rng_state = lambda *a, **k: None
 
 
+_CUDA_TO_CPU = False
+
+
+def install_cuda_to_cpu() -> None:
+    """Only the CUDA -> CPU redirection (idempotent; no-op with CUDA): for Megatron code that
+    allocates on ``device="cuda"`` outside the training loop, e.g. its pipeline schedules."""
+    global _CUDA_TO_CPU
+    if _CUDA_TO_CPU or torch.cuda.is_available():
+        return
+    _install_cuda_to_cpu_mode()
+    _CUDA_TO_CPU = True
+
+
 def install() -> None:
     """Install every shim (idempotent). No-op on a machine with CUDA."""
     global _INSTALLED
@@ -120,7 +146,7 @@ def install() -> None:
     initialize._initialize_distributed = _initialize_distributed
     training.set_jit_fusion_options = lambda *a, **k: None
     arguments.get_device_arch_version = lambda: 9
-    _install_cuda_to_cpu_mode()
+    install_cuda_to_cpu()
     setup_cpu_megatron()
     tp_random.get_cuda_rng_tracker().states_["model-parallel-rng"] = torch.get_rng_state()
     _INSTALLED = True

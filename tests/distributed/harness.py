@@ -36,10 +36,15 @@ KERNELS = "triton" if DEVICE == "cuda" else "reference"
 SPEC_FAMILY = "te" if USE_TE else "local"
 
 
-def init(world_size: int = 2) -> None:
-    """The process group (gloo on CPU ranks, NCCL on GPUs; one GPU a rank)."""
+def init(world_size: int = 2, cuda_to_cpu: bool = False) -> None:
+    """The process group (gloo on CPU ranks, NCCL on GPUs; one GPU a rank). ``cuda_to_cpu``:
+    on CPU ranks, redirect Megatron's ``device="cuda"`` allocations (its pipeline schedules)."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("MHC_DIST_DEVICE=cuda but no CUDA device is visible")
+    if DEVICE == "cpu" and cuda_to_cpu:
+        from mhc_megatron.testing import cpu_training
+
+        cpu_training.install_cuda_to_cpu()
     init_single_process_group()
     assert torch.distributed.get_world_size() == world_size, \
         f"run with torchrun --nproc-per-node={world_size}"
@@ -49,12 +54,15 @@ def init(world_size: int = 2) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def init_parallel(tp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> None:
+def init_parallel(tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1, vp=None,
+                  seed: int = 1234) -> None:
     """(Re)build Megatron's model-parallel state and reseed every RNG it uses."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vp,
                                              expert_model_parallel_size=ep,
                                              context_parallel_size=cp)
     setup_cpu_megatron(seed=seed)
@@ -75,6 +83,18 @@ def model(cfg):
     else:
         spec = sequence_parallel_capable_spec(cfg)
     return build_gpt(cfg, device=DEVICE, spec=spec)
+
+
+def sp_capable(spec, cfg):
+    """``spec`` (a local-modules block spec) with norms that accept ``sequence_parallel``."""
+    from mhc_megatron.layers import StreamContractingNorm
+    from mhc_megatron.testing.cpu import SequenceParallelTorchNorm
+
+    for layer_spec in spec.layer_specs:
+        layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
+        layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    spec.layer_norm = StreamContractingNorm.wrapping(SequenceParallelTorchNorm)
+    return spec
 
 
 def describe() -> str:

@@ -1,0 +1,151 @@
+"""Pipeline parallelism PP=2 (1F1B) and PP=2 x 2 virtual stages (interleaved) equal PP=1:
+every micro-batch's loss and every gradient, through Megatron's own schedules.
+
+Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/pp_equivalence.py
+
+The n residual streams [s, b, n*C] cross the stage boundaries; Megatron's P2P buffers are sized
+from ``hidden_size`` unless ``variable_seq_lengths=True``, which mHC with PP requires (the
+shapes travel ahead of each tensor). Each rank first runs the whole model (PP=1, Megatron's
+no-pipelining schedule, MICRO micro-batches), then its stage of the PP=2 model (weights copied
+by global layer number) under the pipelined schedule, and compares. Dense and MoE, with and
+without mHC recompute (blocks of 3 layers, counted from each pipeline chunk's first layer,
+so none spans the stage boundary of this 4-layer model).
+"""
+
+from __future__ import annotations
+
+import re
+
+import harness  # noqa: F401  (first: hides TE on CPU ranks)
+import torch
+
+from helpers import SEQ, VOCAB, batch, moe_overrides
+
+LAYERS = 4
+MICRO = 4
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _config(kind: str, pp: int, vp, recompute: bool):
+    # Megatron refuses variable_seq_lengths with the (default) allgather dispatcher, also dense
+    extra = dict(moe_overrides() if kind == "moe" else {}, moe_token_dispatcher_type="alltoall")
+    if recompute:  # blocks of 3 layers: counted per pipeline chunk, never across a boundary
+        extra.update(mhc_recompute=True, mhc_recompute_layer_num=3)
+    if harness.DEVICE == "cpu":
+        # Batched P2P ends with torch.cuda.synchronize() instead of waiting on its requests,
+        # a no-op on CPU ranks: with gloo, wait on each request instead.
+        extra["batch_p2p_comm"] = False
+    return harness.config(num_layers=LAYERS, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vp, variable_seq_lengths=pp > 1,
+                          pipeline_dtype=torch.float32, **extra)
+
+
+def _chunks(cfg, vp):
+    """This rank's model chunks (one per virtual stage), each with its global layer offset."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for stage in range(vp or 1):
+        vp_stage = stage if vp else None
+        spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=harness.USE_TE,
+                                                   vp_stage=vp_stage, pp_rank=pp_rank)
+        if not harness.USE_TE:
+            spec = harness.sp_capable(spec, cfg)
+        model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type="rope",
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage).to(harness.DEVICE)
+        chunks.append((model, get_transformer_layer_offset(cfg, vp_stage=vp_stage, pp_rank=pp_rank)))
+    return chunks
+
+
+def _global(name: str, offset: int) -> str:
+    return LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def _run(models, cfg, vp):
+    """Megatron's schedule over MICRO micro-batches; the per-micro-batch losses it returns."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data = [batch(batch_size=2, seed=40 + i, device=harness.DEVICE) for i in range(MICRO)]
+
+    def forward_step(data_iterator, model):
+        ids, pos, mask, labels = next(data_iterator)
+        out = model(ids, pos, mask, labels=labels)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    iters = [iter(data) for _ in models] if vp else iter(data)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iters, model=models if vp else models[0],
+        num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=2, forward_only=False)
+    return [d["loss"] for d in losses]
+
+
+def check(kind: str, vp, recompute: bool) -> None:
+    from megatron.core import parallel_state
+
+    harness.init_parallel()
+    ref_cfg = _config(kind, 1, None, False)
+    (ref, _), = _chunks(ref_cfg, None)
+    ref_losses = _run([ref], ref_cfg, None)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+    harness.init_parallel(pp=2, vp=vp)
+    cfg = _config(kind, 2, vp, recompute)
+    chunks = _chunks(cfg, vp)
+    seen = set()
+    for model, offset in chunks:  # mHC recompute blocks count from the chunk's first layer
+        assert all(layer.mhc_chunk_offset == offset for layer in model.decoder.layers)
+    with torch.no_grad():
+        for model, offset in chunks:
+            for n, p in model.named_parameters():
+                g = _global(n, offset)
+                p.copy_(ref_params[g])
+                seen.add(g)
+    losses = _run([m for m, _ in chunks], cfg, vp)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if last:
+        assert len(losses) == MICRO
+        for a, b in zip(losses, ref_losses):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    worst, n_mhc = 0.0, 0
+    for model, offset in chunks:
+        for n, p in model.named_parameters():
+            g = _global(n, offset)
+            torch.testing.assert_close(p.grad, ref_grads[g], rtol=2e-4, atol=2e-6,
+                                       msg=lambda m, g=g: f"[pp {kind} vp={vp} rc={recompute}] grad of {g}: {m}")
+            worst = max(worst, harness.relative_error(p.grad, ref_grads[g]))
+            n_mhc += "hyper_connection" in g
+    counts = [None, None]
+    torch.distributed.all_gather_object(counts, len(seen))
+    assert sum(counts) == len(ref_params), (counts, len(ref_params))  # every weight on one stage
+    rank = torch.distributed.get_rank()
+    print(f"PASS rank={rank} pp=2 vp={vp} kind={kind} recompute={recompute} {harness.describe()} "
+          f"micro_batches={MICRO} losses_checked={MICRO if last else 0} "
+          f"worst_grad_rel_err={worst:.2e} params={sum(len(list(m.parameters())) for m, _ in chunks)} "
+          f"mhc_params={n_mhc}", flush=True)
+
+
+CASES = (("dense", None, False), ("dense", 2, False), ("moe", None, False), ("moe", 2, False),
+         ("dense", None, True), ("dense", 2, True), ("moe", None, True))
+
+
+def main():
+    harness.init(cuda_to_cpu=True)
+    for kind, vp, recompute in CASES:
+        check(kind, vp, recompute)
+
+
+if __name__ == "__main__":
+    main()
