@@ -87,7 +87,7 @@ def test_mla_flags_give_the_mhc_mla_config(monkeypatch):
     (["--num-residual-streams", "0"], "num_residual_streams"),
     (["--mhc-sinkhorn-iterations", "0"], "mhc_sinkhorn_iterations"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "1"], "recompute_granularity"),
+      "--recompute-num-layers", "1", "--mhc-recompute"], "mhc_recompute / recompute_granularity"),
 ])
 def test_bad_flags_get_the_config_refusal(monkeypatch, flags, field):
     args = _args("--enable-hyper-connections", *flags, monkeypatch=monkeypatch)
