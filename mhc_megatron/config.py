@@ -186,10 +186,6 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "tensor's shape ahead of it; Megatron 0.19 accepts that only with "
               "moe_token_dispatcher_type='alltoall' (--moe-token-dispatcher-type alltoall), also "
               "for dense models, where the dispatcher is unused")
-    if config.mtp_num_layers:
-        _fail("mtp_num_layers", "multi-token prediction is not supported with "
-              "hyper-connections yet (its layers reuse decoder layer numbers and run on [s, b, C])",
-              "set mtp_num_layers=None")
     if config.mhc_recompute and config.recompute_granularity == "full":
         _fail("mhc_recompute / recompute_granularity",
               "mhc_recompute=True with 'full' recompute is not supported: Megatron's full "

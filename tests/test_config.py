@@ -33,8 +33,8 @@ def test_mla_variant():
     assert isinstance(cfg, MLATransformerConfig) and isinstance(cfg, MHCTransformerConfig)
     assert cfg.multi_latent_attention and cfg.enable_hyper_connections
     assert cfg.normalization == MLATransformerConfig.normalization == "RMSNorm"
-    with pytest.raises(ValueError, match="mtp_num_layers"):
-        MHCMLATransformerConfig(**BASE, mtp_num_layers=1)
+    with pytest.raises(ValueError, match="mhc_sinkhorn_iterations"):  # the mHC checks run too
+        MHCMLATransformerConfig(**BASE, mhc_sinkhorn_iterations=0)
 
 
 @pytest.mark.parametrize("layers,n,expected", [(8, 4, 2), (64, 4, 7), (61, 4, 6), (1, 1, 1)])
@@ -67,7 +67,6 @@ REFUSED = {
     "pipeline_moe_allgather": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
                                     num_moe_experts=4, moe_token_dispatcher_type="allgather"),
                                "moe_token_dispatcher_type"),
-    "mtp": (dict(mtp_num_layers=1), "mtp_num_layers"),
     "full_recompute_with_mhc_recompute": (
         dict(mhc_recompute=True, recompute_granularity="full", recompute_method="uniform",
              recompute_num_layers=1), "recompute_granularity"),
@@ -106,7 +105,7 @@ def test_refused_inference_optimized(overrides, field):
 
 
 def test_unsupported_settings_are_fine_when_mhc_is_off():
-    cfg = MHCTransformerConfig(**{**BASE, "enable_hyper_connections": False}, mtp_num_layers=1,
+    cfg = MHCTransformerConfig(**{**BASE, "enable_hyper_connections": False},
                                recompute_granularity="full", recompute_method="uniform",
                                recompute_num_layers=1)
     assert not cfg.enable_hyper_connections

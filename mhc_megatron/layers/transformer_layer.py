@@ -126,7 +126,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if not isinstance(submodules, HyperConnectionTransformerLayerSubmodules):
             submodules = HyperConnectionTransformerLayerSubmodules(**vars(submodules))
         self.n = config.num_residual_streams
-        self.expands_streams = self.layer_number == 1 and not self.is_mtp_layer
+        # Global layer 1 expands the embeddings into n streams; so does every MTP layer's inner
+        # layer (its input is eh_proj's [s, b, C]; the MTP layer's final norm contracts).
+        self.expands_streams = self.layer_number == 1 or self.is_mtp_layer
         self.self_attention_hyper_connection = build_module(
             submodules.self_attention_hyper_connection, config=config
         )

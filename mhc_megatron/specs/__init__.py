@@ -4,6 +4,7 @@ from mhc_megatron.specs.gpt import (
     get_gpt_decoder_block_with_mhc_spec,
     get_gpt_layer_with_mhc_local_spec,
     get_gpt_layer_with_mhc_te_spec,
+    get_gpt_mtp_block_with_mhc_spec,
     to_mhc_layer_spec,
     with_mhc_block_spec,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "get_gpt_decoder_block_with_mhc_spec",
     "get_gpt_layer_with_mhc_local_spec",
     "get_gpt_layer_with_mhc_te_spec",
+    "get_gpt_mtp_block_with_mhc_spec",
     "to_mhc_layer_spec",
     "with_mhc_block_spec",
 ]

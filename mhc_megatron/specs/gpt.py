@@ -113,3 +113,40 @@ def with_mhc_block_spec(block: TransformerBlockSubmodules) -> TransformerBlockSu
         layer_specs=[to_mhc_layer_spec(spec) for spec in block.layer_specs],
         layer_norm=StreamContractingNorm.wrapping(block.layer_norm),
     )
+
+
+def get_gpt_mtp_block_with_mhc_spec(
+    config: TransformerConfig,
+    spec: TransformerBlockSubmodules,
+    use_transformer_engine: bool,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+):
+    """Megatron's multi-token-prediction block spec (``get_gpt_mtp_block_spec``) for an mHC
+    decoder block spec ``spec``: pass it as ``GPTModel(..., mtp_block_spec=...)``.
+
+    Where the streams live in MTP (DeepSeek-V3 style, depth k): each MTP layer takes the main
+    model's output ``[s, b, C]`` (after the decoder's stream-contracting final norm, as every
+    MTP module takes the previous depth's normalised representation) and the next token's
+    embedding, projects them (``eh_proj``) to ``[s, b, C]``, and its inner layer, an mHC layer
+    like the decoder's last, **expands that into n streams of its own**; the MTP layer's final
+    norm contracts them (a ``StreamContractingNorm``) before the shared output head. So every
+    MTP depth is a residual stack of one mHC layer with its own mappings, and nothing of the
+    decoder's n-stream state crosses into MTP (what DeepSeek-V3's MTP passes on is the
+    normalised representation ``h``, which here is the contracted streams). Returns ``None``
+    where Megatron builds no MTP layer on this pipeline stage.
+    """
+    if use_transformer_engine:
+        _require_transformer_engine()
+    block = gpt_layer_specs.get_gpt_mtp_block_spec(config, spec, use_transformer_engine,
+                                                   vp_stage=vp_stage, pp_rank=pp_rank)
+    if block is None:
+        return None
+    layer_specs = []
+    for layer_spec in block.layer_specs:
+        sub = layer_spec.submodules
+        if not StreamContractingNorm.is_builder(sub.layer_norm):
+            sub = dataclasses.replace(sub, layer_norm=StreamContractingNorm.wrapping(sub.layer_norm))
+        layer_specs.append(dataclasses.replace(layer_spec, submodules=sub))
+    return dataclasses.replace(block, layer_specs=layer_specs)
+
