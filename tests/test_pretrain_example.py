@@ -295,3 +295,12 @@ def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
             f"rank {rank}:\n{out[-3000:]}"
     run = pretrain(corpus, *flags, nproc=2, timeout=300)  # and under torchrun: a clean stop
     assert run.returncode != 0 and "ValueError: mHC config: " in run.out
+
+
+def test_multi_token_prediction_trains(corpus):
+    """``--mtp-num-layers 1`` through Megatron's own loop: the MTP loss is logged and falls.
+    (Megatron's GPT builder makes the MTP inner layer from its own layer spec, so here it is
+    Megatron's plain layer on the contracted output; tests/test_mtp.py covers the mHC one.)"""
+    run = pretrain(corpus, *MHC, "--mtp-num-layers", "1").ok()
+    mtp = [float(v) for v in re.findall(r"mtp_1 loss: ([-+0-9.Ee]+)", run.out)]
+    assert len(mtp) == ITERS and mtp[-1] < mtp[0] - 0.2, mtp
