@@ -10,12 +10,7 @@
 #   PHASE=dist      tests/test_distributed.py on the GPUs (TP/EP/checkpoint-resharding/CP
 #                   equivalence; with TE's specs and with Megatron's local modules).
 #   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter).
-set -uo pipefail
-OUT="${OUT:-out/device}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 NGPU="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
 python3 -c "import torch, triton, megatron.core as m; print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), '| torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', m.__version__)" | tee -a "$OUT/env.txt"
 python3 -c "import transformer_engine as t; print('Transformer Engine', t.__version__)" 2>/dev/null | tee -a "$OUT/env.txt"

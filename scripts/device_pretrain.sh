@@ -5,12 +5,7 @@
 # mHC n=4, the mHC run interrupted at STEPS/2 and resumed from its checkpoint. Logs to $OUT.
 #   needs: .whl/megatron_core-0.19.2-*.whl; carry [".whl"] (plus TE's, see README)
 #   STEPS (300), NGPU (all visible), EXTRA (more Megatron flags, e.g. "--tensor-model-parallel-size 2")
-set -uo pipefail
-OUT="${OUT:-out/device}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 STEPS="${STEPS:-300}"; NGPU="${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}"
 MHC_UPDATE_GOLDEN=1 MHC_GOLDEN_DIR="$OUT" python3 -m pytest tests/test_pretrain_example.py -q \
   -p no:cacheprovider -k golden_losses_gpu 2>&1 | tail -3 | tee "$OUT/golden_gpu.log"
