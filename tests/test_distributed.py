@@ -91,11 +91,13 @@ def test_context_parallel_matches_single_rank():
 @pytest.mark.parametrize("setup", SETUPS)
 def test_pipeline_parallel_matches_single_rank(setup):
     """PP=2 (1F1B) and PP=2 x 2 virtual stages (interleaved) == PP=1 through Megatron's own
-    schedules, 4 micro-batches: every micro-batch loss and every gradient, dense and MoE, with
-    and without mHC recompute (its blocks counted per pipeline chunk)."""
+    schedules, 4 micro-batches: every micro-batch loss and every gradient, dense, MoE and with
+    an MTP depth on the last stage, with and without mHC recompute (its blocks counted per
+    pipeline chunk)."""
     out = _torchrun("pp_equivalence.py", setup)
     _expect(out, [f"pp=2 vp={vp} kind={kind} recompute={rc} "
                   for kind, vp, rc in (("dense", None, False), ("dense", 2, False),
                                        ("moe", None, False), ("moe", 2, False),
                                        ("dense", None, True), ("dense", 2, True),
-                                       ("moe", None, True))])
+                                       ("moe", None, True), ("mtp", None, False),
+                                       ("mtp", None, True))])

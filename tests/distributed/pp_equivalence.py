@@ -7,9 +7,10 @@ The n residual streams [s, b, n*C] cross the stage boundaries; Megatron's P2P bu
 from ``hidden_size`` unless ``variable_seq_lengths=True``, which mHC with PP requires (the
 shapes travel ahead of each tensor). Each rank first runs the whole model (PP=1, Megatron's
 no-pipelining schedule, MICRO micro-batches), then its stage of the PP=2 model (weights copied
-by global layer number) under the pipelined schedule, and compares. Dense and MoE, with and
-without mHC recompute (blocks of 3 layers, counted from each pipeline chunk's first layer,
-so none spans the stage boundary of this 4-layer model).
+by global layer number) under the pipelined schedule, and compares. Dense and MoE, with a
+multi-token-prediction depth on the last stage, with and without mHC recompute (blocks of 3
+layers, counted from each pipeline chunk's first layer, so none spans the stage boundary of
+this 4-layer model).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 def _config(kind: str, pp: int, vp, recompute: bool):
     # Megatron refuses variable_seq_lengths with the (default) allgather dispatcher, also dense
     extra = dict(moe_overrides() if kind == "moe" else {}, moe_token_dispatcher_type="alltoall")
+    if kind == "mtp":  # dense with one DeepSeek-V3-style MTP depth (on the last stage)
+        extra["mtp_num_layers"] = 1
     if recompute:  # blocks of 3 layers: counted per pipeline chunk, never across a boundary
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=3)
     if harness.DEVICE == "cpu":
@@ -46,7 +49,10 @@ def _chunks(cfg, vp):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+    from mhc_megatron.specs import (
+        get_gpt_decoder_block_with_mhc_spec,
+        get_gpt_mtp_block_with_mhc_spec,
+    )
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
@@ -56,8 +62,10 @@ def _chunks(cfg, vp):
                                                    vp_stage=vp_stage, pp_rank=pp_rank)
         if not harness.USE_TE:
             spec = harness.sp_capable(spec, cfg)
+        mtp = get_gpt_mtp_block_with_mhc_spec(cfg, spec, harness.USE_TE, vp_stage=vp_stage,
+                                              pp_rank=pp_rank) if cfg.mtp_num_layers else None
         model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                         position_embedding_type="rope",
+                         position_embedding_type="rope", mtp_block_spec=mtp,
                          pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                          post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                          vp_stage=vp_stage).to(harness.DEVICE)
@@ -119,6 +127,14 @@ def check(kind: str, vp, recompute: bool) -> None:
         assert len(losses) == MICRO
         for a, b in zip(losses, ref_losses):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # A weight held by both stages (the word embeddings, which MTP on the last stage reads
+    # too): each stage has its share of the gradient, and Megatron sums them over the
+    # embedding group; here over the pipeline group, in one agreed order.
+    mine = {_global(n, off): p for model, off in chunks for n, p in model.named_parameters()}
+    both = [None, None]
+    torch.distributed.all_gather_object(both, sorted(mine))
+    for g in sorted(set(both[0]) & set(both[1])):
+        torch.distributed.all_reduce(mine[g].grad, group=parallel_state.get_pipeline_model_parallel_group())
     worst, n_mhc = 0.0, 0
     for model, offset in chunks:
         for n, p in model.named_parameters():
@@ -129,7 +145,8 @@ def check(kind: str, vp, recompute: bool) -> None:
             n_mhc += "hyper_connection" in g
     counts = [None, None]
     torch.distributed.all_gather_object(counts, len(seen))
-    assert sum(counts) == len(ref_params), (counts, len(ref_params))  # every weight on one stage
+    shared = len(set(both[0]) & set(both[1]))
+    assert sum(counts) - shared == len(ref_params), (counts, len(ref_params))  # every weight
     rank = torch.distributed.get_rank()
     print(f"PASS rank={rank} pp=2 vp={vp} kind={kind} recompute={recompute} {harness.describe()} "
           f"micro_batches={MICRO} losses_checked={MICRO if last else 0} "
@@ -138,7 +155,8 @@ def check(kind: str, vp, recompute: bool) -> None:
 
 
 CASES = (("dense", None, False), ("dense", 2, False), ("moe", None, False), ("moe", 2, False),
-         ("dense", None, True), ("dense", 2, True), ("moe", None, True))
+         ("dense", None, True), ("dense", 2, True), ("moe", None, True), ("mtp", None, False),
+         ("mtp", None, True))
 
 
 def main():
