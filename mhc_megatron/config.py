@@ -56,6 +56,16 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_init_gating_factor: float = 0.01
     """Initial value of the gating scalars alpha_pre/alpha_post/alpha_res."""
 
+    mhc_init_static_mapping: Literal["residual", "zero"] = "residual"
+    """The static mapping (``bias``) at step 0. "residual": H_pre = 1/n, H_post = 1 and H_res
+    with diagonal ``mhc_init_res_diagonal`` (the model starts as a standard residual network
+    up to O(alpha) terms). "zero" (Megatron-LM's in-tree mHC): an all-zero bias, i.e.
+    H_pre = 1/2, H_post = 1, H_res uniform 1/n."""
+
+    mhc_init_res_diagonal: float = 0.95
+    """Diagonal of H_res at step 0 with ``mhc_init_static_mapping="residual"``, in
+    [1/n, 1): 1/n is uniform mixing, values near 1 keep each stream to itself."""
+
     mhc_rms_eps: float = 1e-6
     """Epsilon of the RMS normalisation of the flattened streams (fp32)."""
 
@@ -149,6 +159,14 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if not _is_int(t) or t < 1:
         _fail("mhc_sinkhorn_iterations", f"must be an int >= 1, got {t!r}",
               "use the paper's 20")
+    if config.mhc_init_static_mapping not in ("residual", "zero"):
+        _fail("mhc_init_static_mapping", f"must be 'residual' or 'zero', got "
+              f"{config.mhc_init_static_mapping!r}", "use 'residual' (the default) or 'zero'")
+    d = config.mhc_init_res_diagonal
+    if isinstance(n, int) and n > 1 and (isinstance(d, bool) or not isinstance(d, (int, float))
+                                         or not 1.0 / n <= d < 1.0):
+        _fail("mhc_init_res_diagonal", f"must be a float in [1/n, 1) = [{1.0 / n:g}, 1) for "
+              f"n={n}, got {d!r}", "use e.g. 0.95 (near-identity) or 1/n (uniform)")
     g = config.mhc_init_gating_factor
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
         _fail("mhc_init_gating_factor", f"must be a finite float >= 0, got {g!r}",

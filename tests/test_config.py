@@ -61,6 +61,9 @@ REFUSED = {
     "layer_num_bool": (dict(mhc_recompute_layer_num=True), "mhc_recompute_layer_num"),
     "params_dtype_int": (dict(mhc_params_dtype=torch.int32), "mhc_params_dtype"),
     "params_dtype_str": (dict(mhc_params_dtype="fp32"), "mhc_params_dtype"),
+    "static_mapping_unknown": (dict(mhc_init_static_mapping="identity"), "mhc_init_static_mapping"),
+    "res_diagonal_below_uniform": (dict(mhc_init_res_diagonal=0.2), "mhc_init_res_diagonal"),
+    "res_diagonal_one": (dict(mhc_init_res_diagonal=1.0), "mhc_init_res_diagonal"),
     "mlp_recompute_with_mhc_recompute": (
         dict(mhc_recompute=True, recompute_granularity="selective", recompute_modules=["mlp"]),
         "recompute_modules"),

@@ -162,3 +162,14 @@ def test_plain_state_dict_round_trip(seeded, device):
 def test_vocab_and_layers_are_as_configured(seeded, device):
     cfg, model = _build("dense", device)
     assert model.vocab_size == VOCAB and len(model.decoder.layers) == cfg.num_layers
+
+
+@pytest.mark.parametrize("static,diag", [("zero", 0.95), ("residual", 0.5)])
+def test_static_mapping_init_reaches_every_layer(seeded, static, diag):
+    """The config's initial static mapping is what every hyper-connection's bias holds."""
+    from mhc_megatron.layers.hyper_connection import initial_mapping_bias
+
+    model = build_gpt(tiny_config(mhc_init_static_mapping=static, mhc_init_res_diagonal=diag))
+    expect = initial_mapping_bias(4, static, diag)
+    biases = [m.bias for n, m in model.named_modules() if n.endswith("hyper_connection")]
+    assert len(biases) == 4 and all(torch.equal(b.detach(), expect) for b in biases)

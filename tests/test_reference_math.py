@@ -146,3 +146,33 @@ def test_initial_bias_is_near_standard_residual(n):
     diag = torch.diagonal(h_res[0])
     expect_diag = 0.95 if n > 1 else 1.0
     torch.testing.assert_close(diag, torch.full((n,), expect_diag), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("diag", ["uniform", 0.5, 0.8, 0.99])
+def test_initial_bias_sets_the_configured_res_diagonal(n, diag):
+    """``mhc_init_res_diagonal``: H_res at step 0 has exactly that diagonal (1/n: uniform),
+    still doubly stochastic; H_pre and H_post as with the default."""
+    d = 1.0 / n if diag == "uniform" else diag
+    if d < 1.0 / n:
+        pytest.skip("below 1/n is refused by the config")
+    zero_ht = torch.zeros(1, ref.num_mapping_coefficients(n))
+    _, h_post, h_res = ref.mappings_from_projection(
+        zero_ht, torch.ones(3), initial_mapping_bias(n, "residual", d), n, 20)
+    torch.testing.assert_close(torch.diagonal(h_res[0]), torch.full((n,), d), atol=1e-5, rtol=0)
+    off = h_res[0][~torch.eye(n, dtype=torch.bool)]
+    torch.testing.assert_close(off, torch.full_like(off, (1 - d) / (n - 1)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_res[0].sum(0), torch.ones(n), atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_post, torch.ones(1, n))
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_zero_static_mapping_is_megatron_lms(n):
+    """``mhc_init_static_mapping="zero"``: H_pre = 1/2, H_post = 1, H_res = 1/n."""
+    b = initial_mapping_bias(n, "zero")
+    assert torch.equal(b, torch.zeros(ref.num_mapping_coefficients(n)))
+    zero_ht = torch.zeros(1, ref.num_mapping_coefficients(n))
+    h_pre, h_post, h_res = ref.mappings_from_projection(zero_ht, torch.ones(3), b, n, 20)
+    torch.testing.assert_close(h_pre, torch.full((1, n), 0.5))
+    torch.testing.assert_close(h_post, torch.ones(1, n))
+    torch.testing.assert_close(h_res, torch.full((1, n, n), 1.0 / n), atol=1e-6, rtol=0)

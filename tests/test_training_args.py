@@ -43,7 +43,8 @@ def test_defaults_are_the_config_defaults(monkeypatch):
     default = MHCTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     for name in ("enable_hyper_connections", "num_residual_streams", "mhc_sinkhorn_iterations",
                  "mhc_init_gating_factor", "mhc_rms_eps", "mhc_kernel_backend", "mhc_recompute",
-                 "mhc_recompute_layer_num", "mhc_params_dtype"):
+                 "mhc_recompute_layer_num", "mhc_params_dtype", "mhc_init_static_mapping",
+                 "mhc_init_res_diagonal"):
         assert getattr(config, name) == getattr(default, name), name
 
 
@@ -60,6 +61,10 @@ def test_flags_reach_the_config(monkeypatch):
             c.mhc_recompute_layer_num, c.mhc_params_dtype) == (
         True, 2, 7, 0.05, 1e-5, "reference", True, 3, torch.float32)
     assert c.hidden_size == 64 and c.num_layers == 2  # Megatron's own flags still apply
+    c = mhc_transformer_config_from_args(_args(
+        "--enable-hyper-connections", "--mhc-init-static-mapping", "zero",
+        "--mhc-init-res-diagonal", "0.5", monkeypatch=monkeypatch))
+    assert (c.mhc_init_static_mapping, c.mhc_init_res_diagonal) == ("zero", 0.5)
 
 
 def test_megatron_lm_in_tree_names_are_aliases(monkeypatch):

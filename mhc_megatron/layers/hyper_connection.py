@@ -14,24 +14,29 @@ from mhc_megatron.kernels import select_ops
 from mhc_megatron.kernels.reference import num_mapping_coefficients
 from mhc_megatron.recompute.manager import run_recorded
 
-# Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)):
-# H_pre = 1/n, so the sublayer reads the mean of the streams, which at step 0 (n equal
-# copies of h) is exactly the input a standard residual layer would see; H_post = 1,
-# so every stream receives the sublayer output, as a standard residual does;
-# H_res with diagonal weight 0.95 (identity-dominant, doubly stochastic).
+# Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)),
+# ``mhc_init_static_mapping="residual"``: H_pre = 1/n, so the sublayer reads the mean of the
+# streams, which at step 0 (n equal copies of h) is exactly the input a standard residual
+# layer would see; H_post = 1, so every stream receives the sublayer output, as a standard
+# residual does; H_res with diagonal ``mhc_init_res_diagonal`` (default 0.95: identity-
+# dominant, doubly stochastic). ``"zero"``: an all-zero bias (H_pre = 1/2, H_post = 1,
+# H_res = 1/n), as Megatron-LM's in-tree mHC.
 _INIT_H_RES_DIAGONAL = 0.95
 _MAX_INIT_H_PRE = 1.0 - 3e-4  # sigmoid cannot reach 1: n=1 starts at H_pre ~ 1
 
 
-def initial_mapping_bias(n: int) -> Tensor:
+def initial_mapping_bias(n: int, static: str = "residual",
+                         res_diagonal: float = _INIT_H_RES_DIAGONAL) -> Tensor:
     """The static bias ``b [2n + n^2]`` (fp32) described above."""
+    if static == "zero":
+        return torch.zeros(2 * n + n * n)
     p = min(1.0 / n, _MAX_INIT_H_PRE)
     pre = torch.full((n,), math.log(p / (1.0 - p)))
     post = torch.zeros(n)  # 2 * sigmoid(0) = 1
     res = torch.zeros(n, n)
     if n > 1:
-        # Row [1, e^-c, ...] normalises to diagonal 1 / (1 + (n-1) e^-c) = 0.95.
-        res.fill_(-math.log((n - 1) * _INIT_H_RES_DIAGONAL / (1.0 - _INIT_H_RES_DIAGONAL)))
+        # Row [1, e^-c, ...] normalises to diagonal 1 / (1 + (n-1) e^-c) = res_diagonal.
+        res.fill_(math.log((1.0 - res_diagonal) / ((n - 1) * res_diagonal)))
         res.fill_diagonal_(0.0)
     return torch.cat([pre, post, res.flatten()])
 
@@ -104,7 +109,9 @@ class HyperConnectionModule(MegatronModule):
         """phi ~ config.init_method, alpha = mhc_init_gating_factor, bias = static mapping."""
         self.config.init_method(self.phi)
         self.alpha.fill_(self.config.mhc_init_gating_factor)
-        self.bias.copy_(initial_mapping_bias(self.n))
+        self.bias.copy_(initial_mapping_bias(
+            self.n, getattr(self.config, "mhc_init_static_mapping", "residual"),
+            getattr(self.config, "mhc_init_res_diagonal", _INIT_H_RES_DIAGONAL)))
 
     def _flat_streams(self, streams: Tensor) -> Tensor:
         expected = self.n * self.hidden_size

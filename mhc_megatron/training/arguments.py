@@ -49,6 +49,14 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--mhc-init-gating-factor", type=float,
                    default=_default("mhc_init_gating_factor"),
                    help="Initial alpha_pre / alpha_post / alpha_res.")
+    g.add_argument("--mhc-init-static-mapping", choices=("residual", "zero"),
+                   default=_default("mhc_init_static_mapping"),
+                   help="Static mapping at step 0: residual (H_pre=1/n, H_post=1, H_res "
+                        "diagonal --mhc-init-res-diagonal) or zero (all-zero bias: H_pre=1/2, "
+                        "H_post=1, H_res=1/n, as Megatron-LM's in-tree mHC).")
+    g.add_argument("--mhc-init-res-diagonal", type=float,
+                   default=_default("mhc_init_res_diagonal"),
+                   help="H_res diagonal at step 0 for the residual static mapping, in [1/n, 1).")
     g.add_argument("--mhc-rms-eps", type=float, default=_default("mhc_rms_eps"),
                    help="Epsilon of the fp32 RMS of the flattened streams.")
     g.add_argument("--mhc-kernel-backend", choices=KERNEL_BACKENDS,
