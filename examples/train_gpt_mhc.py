@@ -135,7 +135,9 @@ def teardown_megatron() -> None:
     torch.distributed.destroy_process_group()
 
 
-def build_model(mhc: bool, args):
+def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
+    """The run's GPT; ``mhc_overrides``: more ``MHCTransformerConfig`` fields (e.g. the
+    initial static mapping, for examples/mhc_study.py)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -154,6 +156,7 @@ def build_model(mhc: bool, args):
         fp8="hybrid" if args.precision == "fp8" else None, fp8_recipe="delayed",
         init_method_std=0.02, enable_hyper_connections=mhc, num_residual_streams=args.streams,
         mhc_params_dtype=torch.float32 if args.mhc_params == "fp32" else None,
+        **(mhc_overrides or {}),
     )
     te = args.spec == "te"
     if mhc:
@@ -220,17 +223,36 @@ def evaluate(model, val: Batches, batches: int = 8) -> float:
     return float(np.mean(losses))
 
 
-def train(name: str, mhc: bool, args, train_data, val_data) -> RunResult:
+def param_groups(model, weight_decay: float, decay_1d: bool):
+    """AdamW groups: with ``decay_1d=False`` Megatron's convention (no weight decay on 1-D
+    parameters and biases: norms, mHC's ``alpha`` and ``bias``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_1d:
+        return [{"params": params, "weight_decay": weight_decay}]
+    no_wd = [p for n, p in model.named_parameters()
+             if p.requires_grad and (p.dim() == 1 or n.endswith(".bias"))]
+    ids = {id(p) for p in no_wd}
+    return [{"params": [p for p in params if id(p) not in ids], "weight_decay": weight_decay},
+            {"params": no_wd, "weight_decay": 0.0}]
+
+
+def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, on_eval=None,
+          decay_1d: bool = True) -> RunResult:
+    """One run. ``on_eval(step, model, val_batches)`` runs at every evaluation, after the
+    optimiser step (the step's gradients are still on the parameters)."""
     from tqdm import tqdm
 
-    model = build_model(mhc, args)
+    model = build_model(mhc, args, mhc_overrides)
     n_params = sum(p.numel() for p in model.parameters())
-    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95))
     if args.precision == "fp32":
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        opt = torch.optim.AdamW(param_groups(model, 0.1, decay_1d), **adamw)
         sched_opt = opt
     else:
-        opt = MasterWeightAdamW(model.parameters(), clip=1.0, **adamw)
+        if not decay_1d:
+            raise SystemExit("Megatron's weight-decay convention is implemented for "
+                             "--precision fp32 only in this demo")
+        opt = MasterWeightAdamW(model.parameters(), clip=1.0, weight_decay=0.1, **adamw)
         sched_opt = opt.inner
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -260,6 +282,9 @@ def train(name: str, mhc: bool, args, train_data, val_data) -> RunResult:
             val = Batches(val_data, args.seq, args.batch, args.seed + 1, args.device)
             result.val_steps.append(step)
             result.val_loss.append(evaluate(model, val))
+            if on_eval is not None:
+                on_eval(step, model, Batches(val_data, args.seq, args.batch, args.seed + 1,
+                                             args.device))
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{result.val_loss[-1]:.3f}")
     if args.device == "cuda":
         torch.cuda.synchronize()
