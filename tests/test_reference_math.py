@@ -176,3 +176,34 @@ def test_zero_static_mapping_is_megatron_lms(n):
     torch.testing.assert_close(h_pre, torch.full((1, n), 0.5))
     torch.testing.assert_close(h_post, torch.ones(1, n))
     torch.testing.assert_close(h_res, torch.full((1, n, n), 1.0 / n), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("static", ["residual", "zero"])
+def test_h_res_gets_almost_no_gradient_while_the_streams_are_equal(static):
+    """Why H_res hardly moves early in training (issue 14): while all n streams are equal
+    (layer 1 expands h into n copies, and H_post = 1 adds the same output to each), every
+    doubly stochastic H_res maps them to themselves, so dL/dH_res has equal columns, which the
+    exact doubly-stochastic projection removes. With the zero (uniform) initialisation the
+    H_res logits (bias[2n:]) then get no gradient up to rounding; with the residual one
+    (diagonal 0.95) only what 20 unrolled Sinkhorn iterations leave, < 1e-3 of H_post's
+    gradient. Once the streams differ, H_res gets much larger gradients."""
+    n, c, t = 4, 16, 8
+    torch.manual_seed(0)
+    phi = torch.randn(ref.num_mapping_coefficients(n), n * c, dtype=torch.float64) * 0.02
+    alpha = torch.full((3,), 0.01, dtype=torch.float64)
+    f = torch.randn(t, c, dtype=torch.float64)
+    target = torch.randn(t, n, c, dtype=torch.float64)
+
+    def post_and_res_grads(x):
+        bias = initial_mapping_bias(n, static).double().requires_grad_()
+        _, _, h_post, h_res = ref.pre(x, phi, alpha, bias, 20, 1e-6)
+        out = ref.expand_combine(x, f, None, h_res, h_post)
+        ((out - target) ** 2).sum().backward()
+        return bias.grad[n:2 * n].norm().item(), bias.grad[2 * n:].norm().item()
+
+    h = torch.randn(t, 1, c, dtype=torch.float64)
+    post_g, res_equal = post_and_res_grads(h.expand(t, n, c).contiguous())
+    bound = 1e-10 if static == "zero" else 1e-3
+    assert post_g > 1e-2 and res_equal < bound * post_g, (post_g, res_equal)
+    post_g, res_distinct = post_and_res_grads(h + 0.3 * torch.randn(t, n, c, dtype=torch.float64))
+    assert res_distinct > 1e-2 * post_g and res_distinct > 5 * res_equal, (res_distinct, res_equal)
