@@ -70,12 +70,14 @@ def replace(config, **kw):
     return dataclasses.replace(config, **kw)
 
 
-def sequence_parallel_capable_spec(config):
-    """The mHC block spec with norms that accept sequence_parallel on CPU (no apex/TE)."""
+def sequence_parallel_capable_spec(config, spec=None):
+    """The mHC block spec (or ``spec``, a local-modules mHC block spec, e.g. one pipeline
+    stage's) with norms that accept sequence_parallel on CPU (no apex/TE)."""
     from mhc_megatron.layers import StreamContractingNorm
     from mhc_megatron.testing.cpu import SequenceParallelTorchNorm
 
-    spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=False)
+    if spec is None:
+        spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=False)
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
         layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm

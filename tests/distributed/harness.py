@@ -85,18 +85,6 @@ def model(cfg):
     return build_gpt(cfg, device=DEVICE, spec=spec)
 
 
-def sp_capable(spec, cfg):
-    """``spec`` (a local-modules block spec) with norms that accept ``sequence_parallel``."""
-    from mhc_megatron.layers import StreamContractingNorm
-    from mhc_megatron.testing.cpu import SequenceParallelTorchNorm
-
-    for layer_spec in spec.layer_specs:
-        layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
-        layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    spec.layer_norm = StreamContractingNorm.wrapping(SequenceParallelTorchNorm)
-    return spec
-
-
 def describe() -> str:
     return f"device={DEVICE} spec={SPEC_FAMILY} kernels={KERNELS}"
 

@@ -20,7 +20,7 @@ import re
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
 
-from helpers import SEQ, VOCAB, batch, moe_overrides
+from helpers import SEQ, VOCAB, batch, moe_overrides, sequence_parallel_capable_spec
 
 LAYERS = 4
 MICRO = 4
@@ -61,7 +61,7 @@ def _chunks(cfg, vp):
         spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=harness.USE_TE,
                                                    vp_stage=vp_stage, pp_rank=pp_rank)
         if not harness.USE_TE:
-            spec = harness.sp_capable(spec, cfg)
+            spec = sequence_parallel_capable_spec(cfg, spec)
         mtp = get_gpt_mtp_block_with_mhc_spec(cfg, spec, harness.USE_TE, vp_stage=vp_stage,
                                               pp_rank=pp_rank) if cfg.mtp_num_layers else None
         model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
