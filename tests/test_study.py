@@ -16,6 +16,8 @@ STUDY = ROOT / "examples" / "mhc_study.py"
 
 def _run(*args, timeout=600):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)  # this pytest process's own process group holds that port
     return subprocess.run([sys.executable, str(STUDY), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
