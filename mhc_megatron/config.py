@@ -196,14 +196,6 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "mHC with pipeline parallelism needs variable_seq_lengths (the stage boundaries "
               "carry [s, b, n*C]), which Megatron 0.19 refuses with the allgather dispatcher",
               "set moe_token_dispatcher_type='alltoall' (--moe-token-dispatcher-type alltoall)")
-    if config.pipeline_model_parallel_size > 1 and not config.variable_seq_lengths:
-        _fail("pipeline_model_parallel_size / variable_seq_lengths",
-              "with pipeline parallelism the n residual streams [s, b, n*C] cross the stage "
-              "boundaries, but Megatron sizes its fixed P2P buffers [s, b, hidden_size]",
-              "set variable_seq_lengths=True (--variable-seq-lengths): Megatron then sends each "
-              "tensor's shape ahead of it; Megatron 0.19 accepts that only with "
-              "moe_token_dispatcher_type='alltoall' (--moe-token-dispatcher-type alltoall), also "
-              "for dense models, where the dispatcher is unused")
     if config.mhc_recompute and config.recompute_granularity == "full":
         _fail("mhc_recompute / recompute_granularity",
               "mhc_recompute=True with 'full' recompute is not supported: Megatron's full "

@@ -1,9 +1,14 @@
-"""Small builders shared by the tests (tiny GPT configs and batches)."""
+"""Small builders shared by the tests (tiny GPT configs and batches) and the launcher of the
+tests' child processes (torchrun, the examples)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
 
 VOCAB = 64
 SEQ = 16
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 needs_te = pytest.mark.skipif(not (HAVE_TE and torch.cuda.is_available()),
@@ -83,3 +90,55 @@ def sequence_parallel_capable_spec(config, spec=None):
         layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     spec.layer_norm = StreamContractingNorm.wrapping(SequenceParallelTorchNorm)
     return spec
+
+
+# ------------------------------------------------------------------------ child processes
+# The tiny GPT that the tests train with Megatron's own loop (examples/pretrain_gpt_mhc.py),
+# and Megatron's local modules without the fused kernels that need apex or TE.
+TINY_GPT_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--seq-length", "64", "--max-position-embeddings", "64",
+                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                  "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+LOCAL_MODULE_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+                      "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
+                      "--no-bias-dropout-fusion"]
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def child_env(cpu_only: bool = False, **extra) -> dict:
+    """The environment of a child process: unbuffered, one OpenMP thread, warnings off, and
+    none of this process's launch variables unless given in ``extra`` (a test's own process
+    group holds its MASTER_PORT). ``cpu_only``: no CUDA device, also on a GPU host."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore", **extra}
+    if cpu_only:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    for key in LAUNCH_VARIABLES:
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def start(cmd, env: dict) -> subprocess.Popen:
+    """``cmd`` in its own session (so a timeout can stop all its processes), from the repo
+    root, stdout and stderr together."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int) -> str:
+    """Wait for ``proc``; on timeout kill its whole process group (torchrun's ranks too)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
+
+
+def run_child(cmd, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """:func:`start` then :func:`finish`: the exit code and the output."""
+    proc = start(cmd, env)
+    out = finish(proc, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+

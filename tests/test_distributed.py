@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import HAVE_TE
+from helpers import HAVE_TE, child_env, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,12 +32,10 @@ ENV = {"cpu": {"MHC_DIST_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""},
 def _torchrun(script: str, setup: str, *args: str, timeout: int = 600) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--standalone", os.path.join(HERE, "distributed", script), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **ENV[setup]}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{script} [{setup}] failed (rc={proc.returncode}):\n{out[-6000:]}"
-    print("\n".join(line for line in out.splitlines() if line.startswith("PASS")))
-    return out
+    run = run_child(cmd, child_env(**ENV[setup]), timeout)
+    assert run.returncode == 0, f"{script} [{setup}] failed (rc={run.returncode}):\n{run.stdout[-6000:]}"
+    print("\n".join(line for line in run.stdout.splitlines() if line.startswith("PASS")))
+    return run.stdout
 
 
 def _expect(out: str, lines: list[str]) -> None:

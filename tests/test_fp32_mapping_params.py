@@ -20,33 +20,26 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, run_child
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
 THIS = Path(__file__).resolve()
 
 # The tiny GPT and schedule of test_pretrain_example.py on mock data, 4 steps, no eval.
 ITERS = 4
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "64", "--max-position-embeddings", "64",
-         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+MODEL = TINY_GPT_FLAGS
 TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "1e-3",
          "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
          "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
          "--eval-interval", "1000", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
          "--mock-data", "--log-micro-batch-loss"]
-CPU = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-       "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
-       "--no-bias-dropout-fusion", "--distributed-backend", "gloo", "--use-cpu-initialization"]
+CPU = [*LOCAL_MODULE_FLAGS, "--distributed-backend", "gloo", "--use-cpu-initialization"]
 FP32_MHC = ["--enable-hyper-connections", "--num-residual-streams", "4", "--bf16",
             "--mhc-params-dtype", "fp32"]
 
@@ -54,20 +47,9 @@ FP32_MHC = ["--enable-hyper-connections", "--num-residual-streams", "4", "--bf16
 def _torchrun(args, nproc=1, timeout=300, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(THIS), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
-                "CUDA_DEVICE_MAX_CONNECTIONS": "1", **env}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        full_env.pop(key, None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, cwd=ROOT, start_new_session=True)
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"timed out after {timeout} s:\n{proc.communicate()[0][-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+    run = run_child(cmd, child_env(cpu_only=True, **env), timeout)
+    assert run.returncode == 0, run.stdout[-6000:]
+    return run.stdout
 
 
 def _ckpt_key(param_name: str) -> str:

@@ -11,23 +11,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import HAVE_TE
+from helpers import (HAVE_TE, LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, finish,
+                     run_child, start)
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
 GOLDEN_DIR = Path(os.environ.get("MHC_GOLDEN_DIR", Path(__file__).resolve().parent / "golden"))
 ITERS = 6
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "64", "--max-position-embeddings", "64",
-         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+MODEL = TINY_GPT_FLAGS
 # The same initial weights at every TP size on CPU ranks: full weights initialised, then
 # split (Megatron's GPT builder leaves such a model on the CPU, so not on GPUs), and a padded
 # vocabulary (512) that does not depend on TP.
@@ -37,10 +33,7 @@ TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2", "--
          "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1",
          "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "257", "--split", "90,5,5", "--log-micro-batch-loss"]
-# Megatron's local modules without the fused kernels that need apex or TE
-LOCAL = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-         "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
-         "--no-bias-dropout-fusion"]
+LOCAL = LOCAL_MODULE_FLAGS
 BACKEND = {"cpu": LOCAL + ["--distributed-backend", "gloo"],  # CPU ranks over gloo
            # GPUs over NCCL: TE's modules where installed (no apex: its fused wgrad is off)
            "cuda": ["--no-gradient-accumulation-fusion"] if HAVE_TE else LOCAL}
@@ -84,34 +77,10 @@ def _example_cmd(corpus, flags, device):
             *BACKEND[device], *SAME_INIT[device], *flags]
 
 
-def _env(device, **extra):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore", **extra}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks, also on a GPU host
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        if key not in extra:
-            env.pop(key, None)
-    return env
-
-
-def _communicate(proc: subprocess.Popen, timeout: int) -> str:
-    """Wait for ``proc``; on timeout kill its whole process group (torchrun's ranks too)."""
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-        pytest.fail(f"timed out after {timeout} s:\n{out[-4000:]}")
-
-
 def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600) -> Run:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", *_example_cmd(corpus, flags, device)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(device), cwd=ROOT, start_new_session=True)
-    out = _communicate(proc, timeout)
-    return Run(subprocess.CompletedProcess(cmd, proc.returncode, out, ""))
+    return Run(run_child(cmd, child_env(cpu_only=device == "cpu"), timeout))
 
 
 def _close(a, b, rtol):
@@ -282,14 +251,12 @@ def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
     The two ranks are started as torchrun would (RANK, WORLD_SIZE, ...) but without its agent,
     which would stop the slower rank as soon as the first one fails."""
     flags = ["--enable-hyper-connections", *flags]
-    procs = [subprocess.Popen([sys.executable, *_example_cmd(corpus, flags, "cpu")], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env("cpu", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29571"),
-                              start_new_session=True)
+    procs = [start([sys.executable, *_example_cmd(corpus, flags, "cpu")],
+                   child_env(cpu_only=True, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT="29571"))
              for r in (0, 1)]
     for rank, proc in enumerate(procs):
-        out = _communicate(proc, timeout=300)
+        out = finish(proc, timeout=300)
         assert proc.returncode != 0, out[-3000:]
         assert re.search(rf"ValueError: mHC config: [^\n]*{field}[^\n]*Fix: ", out), \
             f"rank {rank}:\n{out[-3000:]}"
