@@ -37,6 +37,9 @@ PRESETS = {
     "cpu": dict(layers=4, hidden=128, heads=4, seq=128, batch=16, steps=300, lr=2e-3, eval_every=25),
     "gpu": dict(layers=8, hidden=512, heads=8, seq=256, batch=32, steps=800, lr=1e-3, eval_every=50),
     "smoke": dict(layers=2, hidden=32, heads=4, seq=32, batch=4, steps=6, lr=2e-3, eval_every=3),
+    # ~85M parameters (12 x 768, GELU MLP 4x): examples/mhc_study.py on a GPU
+    "study": dict(layers=12, hidden=768, heads=12, seq=512, batch=32, steps=600, lr=1e-3,
+                  eval_every=50),
 }
 
 
@@ -59,12 +62,17 @@ def parse_args(argv=None):
                         "The mHC mapping math is fp32 in all three")
     for key in PRESETS["cpu"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=type(PRESETS["cpu"][key]), default=None)
+    p.add_argument("--attention", choices=("megatron", "sdpa"), default="megatron",
+                   help="core attention of both runs: the spec's own (megatron), or causal "
+                        "torch SDPA (flash attention on CUDA; local spec only)")
     p.add_argument("--mhc-params", choices=("params", "fp32"), default="params",
                    help="storage of the mHC mapping parameters: the model's params_dtype "
                         "(mhc_params_dtype's default; bf16 with --precision bf16/fp8) or fp32")
     args = p.parse_args(argv)
     if args.precision == "fp8" and args.spec != "te":
         p.error("--precision fp8 needs --spec te (the fp8 GEMMs are Transformer Engine's)")
+    if args.attention == "sdpa" and args.spec != "local":
+        p.error("--attention sdpa replaces the local spec's core attention: use --spec local")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     preset = PRESETS[args.preset or ("gpu" if args.device == "cuda" else "cpu")]
@@ -97,18 +105,27 @@ def load_stdlib_corpus(max_bytes: int) -> np.ndarray:
 class Batches:
     """Random windows of ``seq + 1`` bytes; a fixed generator gives both runs the same data."""
 
-    def __init__(self, data: np.ndarray, seq: int, batch: int, seed: int, device):
+    def __init__(self, data: np.ndarray, seq: int, batch: int, seed: int, device,
+                 causal_attention: bool = False):
         self.data = torch.from_numpy(data.astype(np.int64))
         self.seq, self.batch, self.device = seq, batch, device
         self.gen = torch.Generator().manual_seed(seed)
         self.position_ids = torch.arange(seq, device=device).expand(batch, seq)
         self.mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
+        if causal_attention:  # SDPA's causal kernels need no mask
+            self.mask = None
 
     def next(self):
         starts = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=self.gen)
         windows = torch.stack([self.data[s:s + self.seq + 1] for s in starts.tolist()])
         windows = windows.to(self.device)
         return windows[:, :-1], windows[:, 1:]
+
+
+def make_batches(data: np.ndarray, args, seed: int) -> Batches:
+    """The run's batches of ``data`` (no mask with ``--attention sdpa``: it is causal)."""
+    return Batches(data, args.seq, args.batch, seed, args.device,
+                   causal_attention=args.attention == "sdpa")
 
 
 # ---------------------------------------------------------------------------- model
@@ -125,6 +142,8 @@ def setup_megatron(device: str, seed: int) -> bool:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     setup_cpu_megatron(seed)
+    if device == "cuda":  # --precision fp32: TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = True
     return created
 
 
@@ -155,8 +174,8 @@ def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
         params_dtype=torch.bfloat16 if low else torch.float32, bf16=low,
         fp8="hybrid" if args.precision == "fp8" else None, fp8_recipe="delayed",
         init_method_std=0.02, enable_hyper_connections=mhc, num_residual_streams=args.streams,
-        mhc_params_dtype=torch.float32 if args.mhc_params == "fp32" else None,
-        **(mhc_overrides or {}),
+        **{"mhc_params_dtype": torch.float32 if args.mhc_params == "fp32" else None,
+           **(mhc_overrides or {})},
     )
     te = args.spec == "te"
     if mhc:
@@ -165,6 +184,11 @@ def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
     else:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization="RMSNorm")
+    if args.attention == "sdpa":
+        from mhc_megatron.testing.attention import SDPACoreAttention
+
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(config, spec, vocab_size=256, max_sequence_length=args.seq,
                      position_embedding_type="rope").to(args.device)
     if low:  # bf16 weights and activations, fp32 logits: what Megatron's training loop does
@@ -177,13 +201,18 @@ def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
 class MasterWeightAdamW:
     """AdamW on fp32 master copies of bf16 weights (Megatron's mixed-precision optimiser,
     reduced to one rank): grads are copied up, clipped and applied in fp32, then the bf16
-    weights are refreshed from the masters."""
+    weights are refreshed from the masters. ``groups``: AdamW parameter groups (dicts with
+    ``params`` and per-group options such as ``weight_decay``)."""
 
-    def __init__(self, params, clip: float, **adamw):
-        self.params = [p for p in params if p.requires_grad]
-        self.master = [p.detach().float().clone() for p in self.params]
+    def __init__(self, groups: list[dict], clip: float, **adamw):
+        self.params, master_groups = [], []
+        for group in groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            self.params += params
+            master_groups.append({**group, "params": [p.detach().float().clone() for p in params]})
+        self.master = [m for g in master_groups for m in g["params"]]
         self.clip = clip
-        self.inner = torch.optim.AdamW(self.master, **adamw)
+        self.inner = torch.optim.AdamW(master_groups, **adamw)
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
@@ -245,19 +274,17 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
     model = build_model(mhc, args, mhc_overrides)
     n_params = sum(p.numel() for p in model.parameters())
     adamw = dict(lr=args.lr, betas=(0.9, 0.95))
+    groups = param_groups(model, 0.1, decay_1d)
     if args.precision == "fp32":
-        opt = torch.optim.AdamW(param_groups(model, 0.1, decay_1d), **adamw)
+        opt = torch.optim.AdamW(groups, **adamw)
         sched_opt = opt
     else:
-        if not decay_1d:
-            raise SystemExit("Megatron's weight-decay convention is implemented for "
-                             "--precision fp32 only in this demo")
-        opt = MasterWeightAdamW(model.parameters(), clip=1.0, weight_decay=0.1, **adamw)
+        opt = MasterWeightAdamW(groups, clip=1.0, **adamw)
         sched_opt = opt.inner
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         sched_opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    batches = Batches(train_data, args.seq, args.batch, args.seed, args.device)
+    batches = make_batches(train_data, args, args.seed)
     result = RunResult(name, [], [], [], [], 0.0, n_params)
     start = time.time()
     bar = tqdm(range(1, args.steps + 1), desc=f"{name:>14}", file=sys.stdout, dynamic_ncols=True,
@@ -279,12 +306,11 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
         result.steps.append(step)
         result.train_loss.append(loss.item())
         if step % args.eval_every == 0 or step == args.steps:
-            val = Batches(val_data, args.seq, args.batch, args.seed + 1, args.device)
+            val = make_batches(val_data, args, args.seed + 1)
             result.val_steps.append(step)
             result.val_loss.append(evaluate(model, val))
             if on_eval is not None:
-                on_eval(step, model, Batches(val_data, args.seq, args.batch, args.seed + 1,
-                                             args.device))
+                on_eval(step, model, make_batches(val_data, args, args.seed + 1))
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{result.val_loss[-1]:.3f}")
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -372,8 +398,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = True
     os.makedirs(args.out, exist_ok=True)
     owns_process_group = setup_megatron(args.device, args.seed)
     corpus = load_stdlib_corpus(int(args.corpus_mb * 1e6))

@@ -27,6 +27,13 @@ needs_te = pytest.mark.skipif(not (HAVE_TE and torch.cuda.is_available()),
                               reason="needs Transformer Engine and a CUDA device")
 # Spec families a test runs with: Megatron's local modules everywhere, TE's where installed.
 SPEC_FAMILIES = ["local", pytest.param("te", marks=needs_te)]
+# Megatron-Core 0.19.2's distributed optimiser resumes only with TE's or Apex's fused Adam:
+# with torch's Adam, DistributedOptimizer.state_dict asserts a single Adam step value, and an
+# optimiser being loaded has not stepped yet (no mHC involved; the baseline fails the same).
+HAVE_FUSED_ADAM = HAVE_TE or importlib.util.find_spec("apex") is not None
+needs_fused_adam = pytest.mark.skipif(
+    not HAVE_FUSED_ADAM, reason="Megatron 0.19.2's distributed optimiser resumes only with "
+    "TE's or Apex's fused Adam (torch Adam: assert len(steps) == 1 in state_dict)")
 
 
 def tiny_config(**overrides) -> MHCTransformerConfig:

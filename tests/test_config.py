@@ -20,7 +20,9 @@ def test_defaults_and_subclassing():
     assert isinstance(cfg, TransformerConfig)
     assert (cfg.num_residual_streams, cfg.mhc_sinkhorn_iterations, cfg.mhc_init_gating_factor,
             cfg.mhc_kernel_backend, cfg.mhc_recompute, cfg.mhc_recompute_layer_num,
-            cfg.mhc_params_dtype) == (4, 20, 0.01, "auto", False, None, None)
+            cfg.mhc_params_dtype) == (4, 20, 0.1, "auto", False, None, None)
+    # The initialisation the quality study chose (docs/results/study/REPORT.md).
+    assert (cfg.mhc_init_static_mapping, cfg.mhc_init_res_diagonal) == ("zero", 0.95)
     replaced = dataclasses.replace(cfg, num_residual_streams=2)
     assert type(replaced) is MHCTransformerConfig and replaced.num_residual_streams == 2
     with pytest.raises(ValueError, match="num_residual_streams"):

@@ -2,9 +2,11 @@
 Megatron-Core 0.19.2's optimisers and checkpoints, with
 :mod:`mhc_megatron.training.fp32_params`.
 
-Every check runs in fresh ``torchrun`` processes on CPU ranks over gloo (the CUDA-to-CPU
+Every check runs in fresh ``torchrun`` processes: on CPU ranks over gloo (the CUDA-to-CPU
 shims of ``mhc_megatron.testing.cpu_training`` are process-wide, so they stay out of the
-pytest process). This file is also the script those processes run:
+pytest process), and the training-loop check also on one GPU over NCCL (float16 optimiser;
+the distributed one where TE or Apex is installed). This file is also the script those
+processes run:
 
 * ``pretrain ARGS``: ``examples/pretrain_gpt_mhc.py`` (Megatron's own training loop) inside
   :func:`~mhc_megatron.training.fp32_params.fp32_params_in_megatron_training`; it saves the
@@ -25,7 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, run_child
+from helpers import (LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, needs_fused_adam,
+                     run_child)
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
 THIS = Path(__file__).resolve()
@@ -39,15 +44,24 @@ TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2",
          "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
          "--eval-interval", "1000", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
          "--mock-data", "--log-micro-batch-loss"]
-CPU = [*LOCAL_MODULE_FLAGS, "--distributed-backend", "gloo", "--use-cpu-initialization"]
+# CPU ranks over gloo; one GPU over NCCL with Megatron's local modules (also where TE is
+# installed: the same modules both ways) and the Triton kernels.
+BACKEND = {"cpu": [*LOCAL_MODULE_FLAGS, "--distributed-backend", "gloo",
+                   "--use-cpu-initialization"],
+           "cuda": LOCAL_MODULE_FLAGS}
+# Megatron 0.19.2's distributed optimiser does not resume without TE's or Apex's Adam (so
+# never on CPU ranks; see _Core below).
+LOOP_CASES = [("cpu", "float16"),
+              pytest.param("cuda", "float16", marks=needs_gpu),
+              pytest.param("cuda", "distributed", marks=[needs_gpu, needs_fused_adam])]
 FP32_MHC = ["--enable-hyper-connections", "--num-residual-streams", "4", "--bf16",
             "--mhc-params-dtype", "fp32"]
 
 
-def _torchrun(args, nproc=1, timeout=300, **env):
+def _torchrun(args, nproc=1, timeout=300, device="cpu", **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(THIS), *args]
-    run = run_child(cmd, child_env(cpu_only=True, **env), timeout)
+    run = run_child(cmd, child_env(cpu_only=device == "cpu", **env), timeout)
     assert run.returncode == 0, run.stdout[-6000:]
     return run.stdout
 
@@ -61,18 +75,22 @@ def _train_losses(out):
     return [float(v) for v in re.findall(r"\[micro-batch loss\] train ([-0-9.eE+]+)", out)]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks (the GPU runs are elsewhere)")
-def test_megatron_training_loop_saves_and_resumes_bitwise(tmp_path):
-    """Megatron's own loop, --bf16, fp32 mapping params, Megatron's float16 optimiser: trains,
-    saves at step 2, and a run resumed from that checkpoint repeats steps 3-4 bit for bit
-    (losses and final parameters); the mapping parameters are fp32 in the model and in the
-    checkpoint, with their own fp32 main copies and Adam moments."""
+@pytest.mark.parametrize("device,optimizer", LOOP_CASES)
+def test_megatron_training_loop_saves_and_resumes_bitwise(tmp_path, device, optimizer):
+    """Megatron's own loop, --bf16, fp32 mapping params, Megatron's float16 (or, on a GPU,
+    distributed) optimiser: trains, saves at step 2, and a run resumed from that checkpoint
+    repeats steps 3-4 bit for bit (losses and final parameters); the mapping parameters are
+    fp32 in the model and in the checkpoint, with their own fp32 main copies and Adam
+    moments."""
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU-rank case runs where there is no GPU (CI)")
     ckpt = tmp_path / "ckpt"
-    flags = [*MODEL, *TRAIN, *CPU, *FP32_MHC]
+    flags = [*MODEL, *TRAIN, *BACKEND[device], *FP32_MHC,
+             *(["--use-distributed-optimizer"] if optimizer == "distributed" else [])]
     full = _torchrun(["pretrain", *flags, "--save", str(ckpt), "--save-interval", "2"],
-                     MHC_FP32_DUMP=str(tmp_path / "full.pt"))
+                     device=device, MHC_FP32_DUMP=str(tmp_path / "full.pt"))
     resumed = _torchrun(["pretrain", *flags, "--load", str(ckpt), "--ckpt-step", "2"],
-                        MHC_FP32_DUMP=str(tmp_path / "resumed.pt"))
+                        device=device, MHC_FP32_DUMP=str(tmp_path / "resumed.pt"))
     assert "successfully saved checkpoint" in full and "successfully loaded checkpoint" in resumed
     full_losses, resumed_losses = _train_losses(full), _train_losses(resumed)
     assert len(full_losses) == 2 * ITERS and len(resumed_losses) == ITERS
@@ -83,16 +101,18 @@ def test_megatron_training_loop_saves_and_resumes_bitwise(tmp_path):
     for name, p in a["params"].items():
         assert torch.equal(p, b["params"][name]), name
         assert p.dtype == (torch.float32 if name in a["mapping"] else torch.bfloat16), name
-    assert a["mapping"] and all(a["main_param_is_fp32_copy"].values())
+    assert a["mapping"] and all(a["main_param_is_fp32"].values())
 
-    # The checkpoint at step 2: fp32 model tensors and a full fp32 optimiser state for them.
+    # The checkpoint at step 2: fp32 model tensors and (float16 optimiser: keyed per model
+    # parameter) a full fp32 optimiser state for them; the distributed optimiser saves its
+    # flat fp32 buffers (dp_reshardable), whose restore the equal losses above show.
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
     for name in a["mapping"]:
         key = _ckpt_key(name)
         assert meta[key].properties.dtype == torch.float32, key
-        for state in ("fp32_param", "exp_avg", "exp_avg_sq"):
+        for state in ("fp32_param", "exp_avg", "exp_avg_sq") if optimizer == "float16" else ():
             assert meta[f"optimizer.state.{state}.{key}"].properties.dtype == torch.float32
 
 
@@ -147,12 +167,27 @@ def _pretrain_main(argv) -> None:
         torch.save({
             "params": {n: p.detach().clone() for n, p in params.items()},
             "mapping": sorted(mapping),
-            "main_param_is_fp32_copy": {
-                n: params[n].main_param.dtype == torch.float32
-                and params[n].main_param.data_ptr() != params[n].data_ptr()
-                and torch.equal(params[n].main_param, params[n].detach())
-                for n in mapping},
+            "main_param_is_fp32": {n: _main_param_is_fp32(built["opt"], params[n])
+                                   for n in mapping},
         }, dump)
+
+
+def _main_param_is_fp32(chained, p) -> bool:
+    """The optimiser's fp32 main value of the fp32 model parameter ``p``: the float16
+    optimiser's own copy, equal to it; the distributed optimiser's shard, a view of ``p``
+    itself (it updates fp32 parameters in place)."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    (opt,) = chained.chained_optimizers
+    if not isinstance(opt, DistributedOptimizer):
+        main = p.main_param
+        return (main.dtype == torch.float32 and main.data_ptr() != p.data_ptr()
+                and torch.equal(main, p.detach()))
+    main = opt._get_main_param_and_optimizer_states(p)["param"]
+    r = opt._get_model_param_range_map(p)["param"]
+    start = p.untyped_storage().data_ptr()
+    return (main.dtype == torch.float32 and torch.equal(main, p.detach().view(-1)[r.start:r.end])
+            and start <= main.data_ptr() < start + p.untyped_storage().nbytes())
 
 
 class _Core:

@@ -10,17 +10,18 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
+from mhc_megatron.config import MHCTransformerConfig
 from mhc_megatron.kernels import select_ops
 from mhc_megatron.kernels.reference import num_mapping_coefficients
 from mhc_megatron.recompute.manager import run_recorded
 
-# Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)),
-# ``mhc_init_static_mapping="residual"``: H_pre = 1/n, so the sublayer reads the mean of the
-# streams, which at step 0 (n equal copies of h) is exactly the input a standard residual
-# layer would see; H_post = 1, so every stream receives the sublayer output, as a standard
-# residual does; H_res with diagonal ``mhc_init_res_diagonal`` (default 0.95: identity-
-# dominant, doubly stochastic). ``"zero"``: an all-zero bias (H_pre = 1/2, H_post = 1,
-# H_res = 1/n), as Megatron-LM's in-tree mHC.
+# Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)).
+# ``mhc_init_static_mapping="zero"`` (the default): an all-zero bias (H_pre = 1/2,
+# H_post = 1, H_res = 1/n), as Megatron-LM's in-tree mHC. ``"residual"``: H_pre = 1/n, so
+# the sublayer reads the mean of the streams, which at step 0 (n equal copies of h) is
+# exactly the input a standard residual layer would see; H_post = 1, so every stream
+# receives the sublayer output, as a standard residual does; H_res with diagonal
+# ``mhc_init_res_diagonal`` (default 0.95: identity-dominant, doubly stochastic).
 _INIT_H_RES_DIAGONAL = 0.95
 _MAX_INIT_H_PRE = 1.0 - 3e-4  # sigmoid cannot reach 1: n=1 starts at H_pre ~ 1
 
@@ -110,7 +111,8 @@ class HyperConnectionModule(MegatronModule):
         self.config.init_method(self.phi)
         self.alpha.fill_(self.config.mhc_init_gating_factor)
         self.bias.copy_(initial_mapping_bias(
-            self.n, getattr(self.config, "mhc_init_static_mapping", "residual"),
+            self.n, getattr(self.config, "mhc_init_static_mapping",
+                            MHCTransformerConfig.mhc_init_static_mapping),
             getattr(self.config, "mhc_init_res_diagonal", _INIT_H_RES_DIAGONAL)))
 
     def _flat_streams(self, streams: Tensor) -> Tensor:
