@@ -10,6 +10,11 @@
 #   PHASE=dist      tests/test_distributed.py on the GPUs (TP/EP/checkpoint-resharding/CP
 #                   equivalence; with TE's specs and with Megatron's local modules).
 #   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter).
+#   PHASE=ppcompare mHC n=4 at PP=2 against PP=1 from one checkpoint: a PP=1 run saves after
+#                   step 1; from it PP=1 trains to step 20 and PP=2 (1F1B, 4 micro-batches) to
+#                   STEPS; their per-micro-batch losses of steps 2-20 are compared (GPU weights
+#                   are seeded per pipeline rank, so a shared start needs the checkpoint).
+#   PHASE=p2p       benchmarks/bench_pp_p2p.py: bytes and time of the stage boundary.
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 NGPU="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
 python3 -c "import torch, triton, megatron.core as m; print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), '| torch', torch.__version__, '| triton', triton.__version__, '| megatron-core', m.__version__)" | tee -a "$OUT/env.txt"
@@ -55,6 +60,33 @@ if [ "$PHASE" = pretrain ]; then
     echo "bad flags '$bad': rc=$? (124 = hang), ranks with the config error:" \
       "$(grep -c 'ValueError: mHC config: ' /tmp/bad.log)"; grep -m1 'ValueError: mHC config: ' /tmp/bad.log
   done 2>&1 | tee -a "$OUT/pretrain_summary.txt"
+elif [ "$PHASE" = ppcompare ]; then
+  STEPS="${STEPS:-300}"
+  python3 examples/prepare_stdlib_corpus.py /tmp/data/stdlib --max-mb 8 > /dev/null
+  LOCAL="--no-gradient-accumulation-fusion"; [ "$TE" = 1 ] || LOCAL="$LOCAL --transformer-impl local \
+    --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion"
+  PPF="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
+    --max-position-embeddings 1024 --position-embedding-type rope --normalization RMSNorm --swiglu \
+    --disable-bias-linear --micro-batch-size 8 --global-batch-size 32 --train-iters $STEPS \
+    --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --clip-grad 1.0 \
+    --weight-decay 0.1 --bf16 --data-path /tmp/data/stdlib --split 98,1,1 \
+    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval 10 --eval-interval 50 \
+    --eval-iters 10 --log-throughput --seed 1234 --log-micro-batch-loss \
+    --enable-hyper-connections --num-residual-streams 4 $LOCAL"
+  pp() { local np=$1; shift; torchrun --standalone --nproc-per-node=$np examples/pretrain_gpt_mhc.py $PPF "$@"; }
+  pp 1 --save /tmp/ck_pp --save-interval 1 --exit-interval 1 > "$OUT/pp1_step1.log" 2>&1; echo "pp1 step 1 rc=$?"
+  pp 1 --load /tmp/ck_pp --exit-interval 20 > "$OUT/pp1_to20.log" 2>&1; echo "pp1 to 20 rc=$?"
+  pp 2 --pipeline-model-parallel-size 2 --load /tmp/ck_pp > "$OUT/pp2_mhc.log" 2>&1; echo "pp2 rc=$?"
+  python3 - "$OUT/pp1_to20.log" "$OUT/pp2_mhc.log" <<'PY' | tee "$OUT/ppcompare.txt"
+import re, sys
+a, b = ([float(v) for v in re.findall(r"\[micro-batch loss\] train ([-0-9.eE+]+)", open(f).read())] for f in sys.argv[1:])
+k = min(len(a), len(b)); assert k, (len(a), len(b))
+rel = max(abs(x - y) / abs(y) for x, y in zip(a[:k], b[:k]))
+print(f"PP=2 vs PP=1 from one checkpoint, steps 2-20: {k} micro-batch losses, max rel diff {rel:.2e}, bitwise {a[:k] == b[:k]}")
+PY
+  grep -E "validation loss at iteration|max allocated|iteration +$STEPS/" "$OUT/pp2_mhc.log" | cut -c1-300 | tail -4
+elif [ "$PHASE" = p2p ]; then
+  torchrun --standalone --nproc-per-node=2 benchmarks/bench_pp_p2p.py --out "$OUT/p2p.md" 2>&1 | tail -15
 elif [ "$PHASE" = dist ]; then
   python3 -m pytest tests/test_distributed.py -v -s -p no:cacheprovider -k "not cpu" 2>&1 \
     | grep -E "PASS|PASSED|FAILED|SKIPPED|Error|error|passed|failed" | cut -c1-600 | tee "$OUT/dist_tests.log"
