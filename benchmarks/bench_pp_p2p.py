@@ -66,50 +66,55 @@ def stage_config(hidden: int, streams: int, mhc: bool, force_fixed_shapes: bool 
     return cfg
 
 
-def round_trips(comm, shape, iters: int, warmup: int) -> list[float]:
-    """Milliseconds per forward send + backward send of ``shape`` between the two stages,
-    measured on stage 0 (it starts the round trip and ends it by receiving the gradient)."""
-    first = comm.is_pp_first_stage
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+def _timed(round_trip, iters: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``round_trip()`` after ``warmup`` more, both
+    ranks starting together (the time is stage 0's: it starts and ends a round trip)."""
     times = []
     for i in range(warmup + iters):
         torch.distributed.barrier()
         _sync()
         start = time.perf_counter()
-        if first:
-            comm.send_forward(x, is_last_stage=False)
-            grad = comm.recv_backward(shape, is_last_stage=False)
-            assert grad.shape == x.shape
-        else:
-            act = comm.recv_forward(shape, is_first_stage=False)
-            comm.send_backward(act, is_first_stage=False)
+        round_trip()
         _sync()
         if i >= warmup:
             times.append(1e3 * (time.perf_counter() - start))
     return times
+
+
+def _device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def round_trips(comm, shape, iters: int, warmup: int) -> list[float]:
+    """A forward send of ``shape`` from stage 0 and the gradient's send back, through
+    Megatron's P2P communicator."""
+    x = torch.randn(shape, device=_device(), dtype=torch.bfloat16)
+
+    def round_trip():
+        if comm.is_pp_first_stage:
+            comm.send_forward(x, is_last_stage=False)
+            assert comm.recv_backward(shape, is_last_stage=False).shape == x.shape
+        else:
+            comm.send_backward(comm.recv_forward(shape, is_first_stage=False),
+                               is_first_stage=False)
+
+    return _timed(round_trip, iters, warmup)
 
 
 def raw_round_trips(shape, iters: int, warmup: int) -> list[float]:
     """The same round trip with bare torch.distributed send/recv of one preallocated buffer."""
-    rank = torch.distributed.get_rank()
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    buf = torch.empty(shape, device=device, dtype=torch.bfloat16)
-    times = []
-    for i in range(warmup + iters):
-        torch.distributed.barrier()
-        _sync()
-        start = time.perf_counter()
-        if rank == 0:
-            torch.distributed.send(buf, 1)
-            torch.distributed.recv(buf, 1)
+    buf = torch.empty(shape, device=_device(), dtype=torch.bfloat16)
+    peer = 1 - torch.distributed.get_rank()
+
+    def round_trip():
+        if peer == 1:
+            torch.distributed.send(buf, peer)
+            torch.distributed.recv(buf, peer)
         else:
-            torch.distributed.recv(buf, 0)
-            torch.distributed.send(buf, 0)
-        _sync()
-        if i >= warmup:
-            times.append(1e3 * (time.perf_counter() - start))
-    return times
+            torch.distributed.recv(buf, peer)
+            torch.distributed.send(buf, peer)
+
+    return _timed(round_trip, iters, warmup)
 
 
 def main(argv=None):

@@ -21,20 +21,25 @@ python3 -c "import torch, triton, megatron.core as m; print(torch.cuda.get_devic
 python3 -c "import transformer_engine as t; print('Transformer Engine', t.__version__)" 2>/dev/null | tee -a "$OUT/env.txt"
 TE=0; python3 -c "import transformer_engine.pytorch" 2>/dev/null && TE=1
 PHASE="${PHASE:-pretrain}"
-
-if [ "$PHASE" = pretrain ]; then
-  STEPS="${STEPS:-300}"
-  python3 examples/prepare_stdlib_corpus.py /tmp/data/stdlib --max-mb 8 > /dev/null
-  # no apex here: its fused weight-gradient kernel (Megatron's default for the output layer) is off
-  LOCAL="--no-gradient-accumulation-fusion"; [ "$TE" = 1 ] || LOCAL="$LOCAL --transformer-impl local \
+STEPS="${STEPS:-300}"
+# The ~85M GPT the pretraining phases train on the stdlib bytes, global batch $1 (no apex here:
+# its fused weight-gradient kernel, Megatron's default for the output layer, is off).
+gpt_flags() {
+  local local_modules="--no-gradient-accumulation-fusion"
+  [ "$TE" = 1 ] || local_modules="$local_modules --transformer-impl local \
     --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion"
-  BASE="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
+  echo "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
     --max-position-embeddings 1024 --position-embedding-type rope --normalization RMSNorm --swiglu \
-    --disable-bias-linear --micro-batch-size 8 --global-batch-size 16 --train-iters $STEPS \
+    --disable-bias-linear --micro-batch-size 8 --global-batch-size $1 --train-iters $STEPS \
     --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --clip-grad 1.0 \
     --weight-decay 0.1 --bf16 --data-path /tmp/data/stdlib --split 98,1,1 \
     --tokenizer-type NullTokenizer --vocab-size 257 --log-interval 10 --eval-interval 50 \
-    --eval-iters 10 --log-throughput --seed 1234 $LOCAL"
+    --eval-iters 10 --log-throughput --seed 1234 $local_modules"
+}
+
+if [ "$PHASE" = pretrain ]; then
+  python3 examples/prepare_stdlib_corpus.py /tmp/data/stdlib --max-mb 8 > /dev/null
+  BASE="$(gpt_flags 16)"
   for layout in ${LAYOUT:-tp2sp dp2}; do
     case $layout in
       tp2sp) PAR="--tensor-model-parallel-size 2 --sequence-parallel" ;;
@@ -61,18 +66,8 @@ if [ "$PHASE" = pretrain ]; then
       "$(grep -c 'ValueError: mHC config: ' /tmp/bad.log)"; grep -m1 'ValueError: mHC config: ' /tmp/bad.log
   done 2>&1 | tee -a "$OUT/pretrain_summary.txt"
 elif [ "$PHASE" = ppcompare ]; then
-  STEPS="${STEPS:-300}"
   python3 examples/prepare_stdlib_corpus.py /tmp/data/stdlib --max-mb 8 > /dev/null
-  LOCAL="--no-gradient-accumulation-fusion"; [ "$TE" = 1 ] || LOCAL="$LOCAL --transformer-impl local \
-    --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion"
-  PPF="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
-    --max-position-embeddings 1024 --position-embedding-type rope --normalization RMSNorm --swiglu \
-    --disable-bias-linear --micro-batch-size 8 --global-batch-size 32 --train-iters $STEPS \
-    --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --clip-grad 1.0 \
-    --weight-decay 0.1 --bf16 --data-path /tmp/data/stdlib --split 98,1,1 \
-    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval 10 --eval-interval 50 \
-    --eval-iters 10 --log-throughput --seed 1234 --log-micro-batch-loss \
-    --enable-hyper-connections --num-residual-streams 4 $LOCAL"
+  PPF="$(gpt_flags 32) --log-micro-batch-loss --enable-hyper-connections --num-residual-streams 4"
   pp() { local np=$1; shift; torchrun --standalone --nproc-per-node=$np examples/pretrain_gpt_mhc.py $PPF "$@"; }
   pp 1 --save /tmp/ck_pp --save-interval 1 --exit-interval 1 > "$OUT/pp1_step1.log" 2>&1; echo "pp1 step 1 rc=$?"
   pp 1 --load /tmp/ck_pp --exit-interval 20 > "$OUT/pp1_to20.log" 2>&1; echo "pp1 to 20 rc=$?"

@@ -129,6 +129,52 @@ def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
     assert manager.blocks_recomputed == freed_before + 2
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_blocks_are_freed_by_reference_counting(megatron_single_rank, kind):
+    """A block's state (its op records and recomputed tensors, streams among them) is freed
+    as soon as backward has consumed it, without the cyclic garbage collector: a reference
+    cycle through it would keep every block's recomputed streams alive until Python's gc
+    happened to run (on a GPU: until then, memory the caching allocator cannot reuse). With
+    gc off, after each step no block is alive, and the cyclic garbage is exactly that of the
+    same model without mhc_recompute (Megatron's MoE layer leaves some of its own)."""
+    import gc
+
+    from mhc_megatron.recompute.manager import _BlockState, _Placeholder
+
+    extra = moe_overrides() if kind == "moe" else {}
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    garbage = {}
+    try:
+        for recompute in (False, True):
+            setup_cpu_megatron(seed=1)
+            cfg = tiny_config(num_layers=LAYERS, mhc_recompute=recompute,
+                              mhc_recompute_layer_num=2, **extra)
+            model = build_gpt(cfg, DEV)
+            data = batch(device=DEV, seed=0)
+            lm_loss(model, data).backward()  # first step: lazily built state
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            for _ in range(2):
+                lm_loss(model, data).backward()
+                assert not [o for o in gc.get_objects() if isinstance(o, _BlockState)]
+            gc.collect()
+            gc.set_debug(0)
+            found = [type(o).__name__ for o in gc.garbage]
+            gc.garbage.clear()
+            assert not [n for n in found if n in (_BlockState.__name__, _Placeholder.__name__)]
+            garbage[recompute] = len(found)
+            if recompute:
+                assert manager_for(cfg).blocks_recomputed == 3 * 2
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    assert garbage[True] == garbage[False], garbage
+
+
 def test_manager_is_shared_per_config_and_validates():
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True)
     assert manager_for(cfg) is manager_for(cfg)

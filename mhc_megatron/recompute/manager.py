@@ -42,12 +42,11 @@ _ACTIVE_BLOCK: contextvars.ContextVar["_BlockState | None"] = contextvars.Contex
     "mhc_active_recompute_block", default=None)
 
 
-@dataclass(frozen=True, eq=False)
-class _Placeholder:
-    """Stands for a (view of an) output of op ``op`` of a block: ``outputs[op][index]``
-    seen with ``size``/``stride``/``offset``."""
+@dataclass(frozen=True)
+class _OutputView:
+    """A (view of an) output of op ``op`` of a block: ``outputs[op][index]`` seen with
+    ``size``/``stride``/``offset``."""
 
-    block: "_BlockState"
     op: int
     index: int
     size: tuple
@@ -56,6 +55,21 @@ class _Placeholder:
 
     def resolve(self, outputs: dict) -> torch.Tensor:
         return outputs[self.op][self.index].as_strided(self.size, self.stride, self.offset)
+
+
+@dataclass(frozen=True, eq=False)
+class _Placeholder:
+    """What autograd stores instead of a saved tensor that is an ``_OutputView`` of its
+    ``block``: unpacking it recomputes the block (once) and resolves the view.
+
+    Reference structure (no cycles, so a block is freed by reference counting as soon as its
+    graph is, never left to the cyclic garbage collector with its tensors): the autograd graph
+    holds placeholders, a placeholder holds its block, and the block holds only plain data:
+    op arguments as ``_OutputView``s or detached tensors (no ``grad_fn``, so no path back
+    into the graph), and the recomputed outputs."""
+
+    block: "_BlockState"
+    view: _OutputView
 
 
 class _BlockState:
@@ -73,7 +87,7 @@ class _BlockState:
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
 
     # -- forward
-    def _lookup(self, t: torch.Tensor) -> _Placeholder | None:
+    def _lookup(self, t: torch.Tensor) -> _OutputView | None:
         try:
             key = StorageWeakRef(t.untyped_storage())
         except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
@@ -84,18 +98,19 @@ class _BlockState:
         op, index, dtype = hit
         if t.dtype != dtype:
             return None
-        return _Placeholder(self, op, index, tuple(t.shape), tuple(t.stride()),
-                            t.storage_offset())
+        return _OutputView(op, index, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
         op = len(self.ops)
         deps: set[int] = set()
         packed = []
         for a in args:
-            ph = self._lookup(a) if isinstance(a, torch.Tensor) else None
-            if ph is not None:
-                deps.add(ph.op)
-            packed.append(ph if ph is not None else a)
+            view = self._lookup(a) if isinstance(a, torch.Tensor) else None
+            if view is not None:
+                deps.add(view.op)
+                packed.append(view)
+            else:  # detached: the recompute runs without grad, and no reference to the graph
+                packed.append(a.detach() if isinstance(a, torch.Tensor) else a)
         self.ops.append((fn, tuple(packed), kwargs))
         self.deps.append(deps)
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -108,18 +123,18 @@ class _BlockState:
                 self.registry[StorageWeakRef(out.untyped_storage())] = (op, index, out.dtype)
 
     def pack(self, t: torch.Tensor):
-        ph = self._lookup(t)
-        if ph is None:
+        view = self._lookup(t)
+        if view is None:
             return t
-        self.packed_ops.add(ph.op)
-        return ph
+        self.packed_ops.add(view.op)
+        return _Placeholder(self, view)
 
     # -- backward
     @staticmethod
     def unpack(obj):
         if not isinstance(obj, _Placeholder):
             return obj
-        return obj.resolve(obj.block.recompute())
+        return obj.view.resolve(obj.block.recompute())
 
     def recompute(self) -> dict:
         """Recompute the needed ops of the block once, in forward order."""
@@ -136,7 +151,7 @@ class _BlockState:
         with torch.no_grad(), autocast:
             for op in sorted(needed):
                 fn, args, kwargs = self.ops[op]
-                args = [a.resolve(outputs) if isinstance(a, _Placeholder) else a for a in args]
+                args = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args]
                 out = fn(*args, **kwargs)
                 outputs[op] = out if isinstance(out, tuple) else (out,)
         self.outputs = outputs
@@ -159,7 +174,11 @@ class MHCRecomputeManager:
             raise ValueError(f"MHCRecomputeManager: block_size must be an int >= 1, got "
                              f"{block_size!r}. Fix: set mhc_recompute_layer_num >= 1 or None.")
         self.block_size = block_size
-        self._current: _BlockState | None = None
+        # The open block, weakly: between its layers the block is kept alive by the
+        # placeholders autograd holds (every layer's mHC outputs are saved by the next op),
+        # and once its graph is freed (after backward) nothing keeps its recomputed tensors.
+        # Should it die mid-block (nothing of it saved), the next layer opens a new one.
+        self._current: weakref.ref | None = None
         self.blocks_recomputed = 0
         self.ops_recomputed = 0
 
@@ -171,11 +190,12 @@ class MHCRecomputeManager:
 
     def _state_for(self, layer_number: int, chunk_offset: int = 0) -> _BlockState:
         block = self.block_of(layer_number, chunk_offset)
-        cur = self._current
+        cur = self._current() if self._current is not None else None
         # A new block starts at a block boundary, and a new forward pass (the layer numbers
         # go back to the start) starts new blocks too.
         if cur is None or cur.block_id != block or layer_number <= cur.last_layer:
-            cur = self._current = _BlockState(self, block)
+            cur = _BlockState(self, block)
+            self._current = weakref.ref(cur)
         cur.last_layer = layer_number
         return cur
 
