@@ -175,6 +175,46 @@ def test_blocks_are_freed_by_reference_counting(megatron_single_rank, kind):
     assert garbage[True] == garbage[False], garbage
 
 
+def test_hook_work_per_saved_tensor_is_one_range_check(megatron_single_rank, monkeypatch):
+    """The pack hook sees every tensor autograd saves inside a recompute block, an MoE
+    layer's hundreds included (64 experts here). Only tensors inside a registered mHC output's
+    address range may take the costly path (a storage weakref and a dict lookup); all others
+    are rejected by one bisect of the ranges. Bound: costly lookups <= the saved tensors that
+    become placeholders + the tensor arguments of the recorded ops (which are looked up too)
+    + one per registered output (an address reused after its storage was freed)."""
+    from mhc_megatron.recompute import manager as rc
+
+    counts = {"packs": 0, "hits": 0, "args": 0, "outputs": 0}
+    pack, record = rc._BlockState.pack, rc._BlockState.record
+
+    def counting_pack(self, t):
+        out = pack(self, t)
+        counts["packs"] += 1
+        counts["hits"] += out is not t
+        return out
+
+    def counting_record(self, fn, args, kwargs, outputs):
+        counts["args"] += sum(isinstance(a, torch.Tensor) for a in args)
+        counts["outputs"] += len(outputs) if isinstance(outputs, tuple) else 1
+        return record(self, fn, args, kwargs, outputs)
+
+    monkeypatch.setattr(rc._BlockState, "pack", counting_pack)
+    monkeypatch.setattr(rc._BlockState, "record", counting_record)
+    setup_cpu_megatron(seed=1)
+    cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
+                      **{**moe_overrides(), "num_moe_experts": 64, "moe_router_topk": 6})
+    model = build_gpt(cfg, DEV)
+    data = batch(device=DEV, seed=0)
+    lm_loss(model, data).backward()
+    manager = manager_for(cfg)
+    manager.full_lookups = 0
+    counts.update(packs=0, hits=0, args=0, outputs=0)
+    lm_loss(model, data).backward()
+    assert counts["hits"] > 0 and counts["packs"] > 10 * counts["hits"], counts
+    assert manager.full_lookups <= counts["hits"] + counts["args"] + counts["outputs"], \
+        (manager.full_lookups, counts)
+
+
 def test_manager_is_shared_per_config_and_validates():
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True)
     assert manager_for(cfg) is manager_for(cfg)

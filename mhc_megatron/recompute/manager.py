@@ -29,6 +29,7 @@ without recompute are identical.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import weakref
@@ -82,12 +83,26 @@ class _BlockState:
         self.ops: list[tuple[Callable, tuple, dict]] = []
         self.deps: list[set[int]] = []
         self.registry: dict[StorageWeakRef, tuple[int, int, torch.dtype]] = {}
+        # The address ranges of the registered storages, sorted by start: a saved tensor
+        # whose data pointer falls in none of them (most of a sublayer's, e.g. an MoE layer's
+        # hundreds) is rejected with one bisect, without building a storage weakref. Expired
+        # entries are pruned at every registration, so live ranges never overlap an entry.
+        self._starts: list[int] = []
+        self._ranges: list[tuple[int, int, StorageWeakRef]] = []
         self.packed_ops: set[int] = set()
         self.outputs: dict[int, tuple] | None = None
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
 
     # -- forward
     def _lookup(self, t: torch.Tensor) -> _OutputView | None:
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
+            return None
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0 or ptr >= self._ranges[i][1]:
+            return None
+        self.manager.full_lookups += 1
         try:
             key = StorageWeakRef(t.untyped_storage())
         except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
@@ -120,7 +135,20 @@ class _BlockState:
             if (isinstance(out, torch.Tensor) and out.storage_offset() == 0
                     and out.is_contiguous()
                     and out.untyped_storage().nbytes() == out.numel() * out.element_size()):
-                self.registry[StorageWeakRef(out.untyped_storage())] = (op, index, out.dtype)
+                self._register(StorageWeakRef(out.untyped_storage()), out, (op, index, out.dtype))
+
+    def _register(self, key: StorageWeakRef, out: torch.Tensor, entry: tuple) -> None:
+        if any(k.expired() for _, _, k in self._ranges):
+            for _, _, k in self._ranges:
+                if k.expired():
+                    self.registry.pop(k, None)
+            self._ranges = [r for r in self._ranges if not r[2].expired()]
+            self._starts = [r[0] for r in self._ranges]
+        self.registry[key] = entry
+        start = out.untyped_storage().data_ptr()
+        i = bisect.bisect_right(self._starts, start)
+        self._starts.insert(i, start)
+        self._ranges.insert(i, (start, start + out.untyped_storage().nbytes(), key))
 
     def pack(self, t: torch.Tensor):
         view = self._lookup(t)
@@ -181,6 +209,7 @@ class MHCRecomputeManager:
         self._current: weakref.ref | None = None
         self.blocks_recomputed = 0
         self.ops_recomputed = 0
+        self.full_lookups = 0  # saved tensors that needed more than the address-range check
 
     def block_of(self, layer_number: int, chunk_offset: int = 0) -> tuple[int, int]:
         """Block of a global (1-based) layer number: ``(chunk_offset, index)``, blocks counted
