@@ -13,7 +13,8 @@ Configs (``--layers`` etc. override):
 
 * ``dense``: 8 layers, hidden 4096, SwiGLU 11008, 32 heads, seq 4096, micro-batch 1;
 * ``moe``: DeepSeek-like, 8 layers, hidden 2048, 16 heads, 64 experts top-6 (expert FFN 1408,
-  shared expert 2816), grouped GEMM, alltoall dispatcher, seq 4096, micro-batch 1.
+  shared expert 2816), alltoall dispatcher, seq 4096, micro-batch 1; experts as TE's grouped
+  GEMM with TE specs, as Megatron's SequentialMLP (its only local expert module) otherwise.
 
 Spec families: ``te`` (Transformer Engine's modules and fused attention: the form users run;
 needs TE) and ``local`` (Megatron's local modules, core attention replaced by torch SDPA's
@@ -104,7 +105,7 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device):
         moe = dict(num_moe_experts=shape["experts"], moe_router_topk=shape["topk"],
                    moe_ffn_hidden_size=shape["ffn"],
                    moe_shared_expert_intermediate_size=shape["shared"],
-                   moe_grouped_gemm=torch.cuda.is_available(), moe_aux_loss_coeff=0.0,
+                   moe_grouped_gemm=spec == "te", moe_aux_loss_coeff=0.0,
                    moe_token_dispatcher_type="alltoall" if torch.cuda.is_available()
                    else "allgather", moe_router_dtype="fp32")
     config = MHCTransformerConfig(
