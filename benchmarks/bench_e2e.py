@@ -43,6 +43,7 @@ import sys
 import time
 
 import torch
+from bench_mhc import N, copy_bandwidth, sublayer_bytes  # benchmarks/ is on sys.path
 
 sys.path.insert(0, ".")
 
@@ -54,7 +55,6 @@ CONFIGS = {
 }
 SMOKE = dict(layers=2, hidden=64, ffn=128, heads=4, seq=64, mbs=2)
 RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True)]
-N = 4
 
 
 def parse_args(argv=None):
@@ -173,27 +173,12 @@ def measure(step, tokens: int, steps: int, warmup: int) -> dict:
     return {"ms": ms, "tokens_s": tokens / ms * 1e3, "peak_gib": peak}
 
 
-def copy_bandwidth_gbs(device) -> float:
-    """Read + write bytes per second of a large device-to-device copy."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    a = torch.empty(2**28, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    _sync()
-    start = time.perf_counter()
-    for _ in range(20):
-        b.copy_(a)
-    _sync()
-    return 2 * a.numel() * a.element_size() * 20 / (time.perf_counter() - start) / 1e9
-
-
 def floor_bytes(shape: dict, recompute: bool) -> float:
-    """mHC's bytes per step (see the module docstring)."""
-    tokens = shape["mbs"] * shape["seq"]
-    x, y = 2 * tokens * N * shape["hidden"], 2 * tokens * shape["hidden"]
-    per_sublayer = 6 * x + 5 * y + (3 * x + 2 * y if recompute else 0)
+    """mHC's bytes per step (see the module docstring), from bench_mhc's per-op counts."""
+    ops = sublayer_bytes(shape["mbs"] * shape["seq"], shape["hidden"])
+    per_sublayer = sum(ops.values())
+    if recompute:  # the forward ops once more
+        per_sublayer += ops["pre fwd"] + ops["post fwd"]
     return 2 * shape["layers"] * per_sublayer
 
 
@@ -243,7 +228,7 @@ def main(argv=None):
     parallel_state.initialize_model_parallel(1, 1)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    bw = copy_bandwidth_gbs(device)
+    bw = copy_bandwidth() if device == "cuda" else float("nan")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke only)"
     lines = [f"{name}; torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s (read+write); "
              f"n={N}, bf16, forward+backward of one micro-batch, median of {args.steps}", "",

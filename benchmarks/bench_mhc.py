@@ -49,6 +49,14 @@ def copy_bandwidth():
     return 2 * a.numel() * 2 / ms / 1e6  # GB/s, read + write
 
 
+def sublayer_bytes(m: int, c: int, elt: int = 2) -> dict:
+    """Bytes each op of one sublayer reads and writes for ``m`` tokens of ``n*C`` streams
+    (x) and ``C`` sublayer input/output (y), each input read once, each output written once."""
+    x = m * N * c * elt
+    y = x / N
+    return {"pre fwd": x + y, "post fwd": x + y + x, "sublayer bwd": 3 * x + 3 * y}
+
+
 class Case:
     """Inputs of one size: streams x, per-sublayer phi and f, shared alpha / bias / f bias,
     upstream gradients; plus the same bytes in TE's stream-minor layout."""
@@ -79,9 +87,7 @@ class Case:
         return [self.x, self.alpha, self.bias, self.fb] + self.phis + self.fs
 
     def bytes(self, elt=2):
-        x = self.m * N * self.c * elt
-        y = x / N
-        return {"pre fwd": x + y, "post fwd": x + y + x, "sublayer bwd": 3 * x + 3 * y}
+        return sublayer_bytes(self.m, self.c, elt)
 
 
 def chain(pre, post):

@@ -22,7 +22,7 @@ from mhc_megatron.recompute.manager import run_recorded
 # exactly the input a standard residual layer would see; H_post = 1, so every stream
 # receives the sublayer output, as a standard residual does; H_res with diagonal
 # ``mhc_init_res_diagonal`` (default 0.95: identity-dominant, doubly stochastic).
-_INIT_H_RES_DIAGONAL = 0.95
+_INIT_H_RES_DIAGONAL = MHCTransformerConfig.mhc_init_res_diagonal
 _MAX_INIT_H_PRE = 1.0 - 3e-4  # sigmoid cannot reach 1: n=1 starts at H_pre ~ 1
 
 
