@@ -221,10 +221,7 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
         _fail("apply_residual_connection_post_layernorm",
               "the residual of an mHC layer is the n-stream state, not a layernorm output",
               "set apply_residual_connection_post_layernorm=False")
-    if config.cuda_graph_impl != "none" or config.enable_cuda_graph or config.external_cuda_graph:
-        _fail("cuda_graph_impl / enable_cuda_graph / external_cuda_graph",
-              "CUDA graphs are not supported with hyper-connections yet",
-              "set cuda_graph_impl='none'")
+    _validate_cuda_graphs(config)
     if config.cpu_offloading or config.fine_grained_activation_offloading:
         _fail("cpu_offloading / fine_grained_activation_offloading",
               "activation offloading would offload the aggregated input, not the n streams",
@@ -240,6 +237,51 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if config.transformer_impl == "inference_optimized":
         _fail("transformer_impl", "'inference_optimized' layers fuse the residual add",
               "use transformer_impl='local' or 'transformer_engine'")
+
+
+# Partial MoE graph scopes: the graph ends after the router (and the dispatch preprocess), and
+# Megatron resumes the layer with ``_forward_post_mlp(output, residual)``, outside the mHC
+# hooks of ``_forward_mlp``, so the expand-combine would never see the streams.
+_PARTIAL_MOE_GRAPH_SCOPES = ("moe_router", "moe_preprocess")
+
+
+def _graph_impl(config) -> str:
+    """The CUDA-graph implementation in effect (Megatron maps the deprecated flags to it only
+    in its own ``__post_init__``, which runs after our first validation)."""
+    if config.enable_cuda_graph:
+        return "local"
+    if config.external_cuda_graph:
+        return "transformer_engine"
+    return config.cuda_graph_impl
+
+
+def _validate_cuda_graphs(config) -> None:
+    """CUDA graphs with mHC: per-layer graphs (``local``, ``transformer_engine``) capture the
+    whole ``HyperConnectionTransformerLayer`` forward, the mHC ops included (static shapes:
+    ``get_layer_static_inputs`` gives ``[s, b, n*C]``, ``[s, b, C]`` for layer 1; the Triton
+    kernels and their dispatch neither sync with the host nor allocate outside the graph
+    pool), and so does ``full_iteration``. Refused: the partial MoE scopes, and mhc_recompute
+    with per-layer graphs."""
+    impl = _graph_impl(config)
+    if impl == "none":
+        return
+    scopes = {getattr(m, "name", m) for m in (config.cuda_graph_modules or [])}
+    partial = sorted(scopes.intersection(_PARTIAL_MOE_GRAPH_SCOPES))
+    if partial:
+        _fail("cuda_graph_modules",
+              f"{partial} end the graph inside the MoE sublayer and resume the layer through "
+              "Megatron's _forward_post_mlp with its residual, bypassing the mHC combine of "
+              "the n streams",
+              "capture whole layers (cuda_graph_modules=[]) or the 'attn' / 'moe' / 'mlp' "
+              "scopes")
+    if config.mhc_recompute and impl in ("local", "transformer_engine"):
+        _fail("mhc_recompute / cuda_graph_impl",
+              f"mhc_recompute with per-layer CUDA graphs ({impl!r}) is not supported: a "
+              "recompute block spans several layers, and its recompute runs in the backward of "
+              "the block's last layer, from Python state the other layers' graphs never see "
+              "on replay",
+              "use mhc_recompute=False with per-layer graphs (or Megatron's selective "
+              "recompute), or cuda_graph_impl='none' with mhc_recompute=True")
 
 
 def hyper_connections_enabled(config: TransformerConfig) -> bool:

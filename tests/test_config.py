@@ -77,9 +77,18 @@ REFUSED = {
              recompute_num_layers=1), "recompute_granularity"),
     "post_ln_residual": (dict(apply_residual_connection_post_layernorm=True),
                          "apply_residual_connection_post_layernorm"),
-    "cuda_graph_local": (dict(cuda_graph_impl="local"), "cuda_graph_impl"),
-    "cuda_graph_te": (dict(cuda_graph_impl="transformer_engine"), "cuda_graph_impl"),
-    "enable_cuda_graph": (dict(enable_cuda_graph=True), "enable_cuda_graph"),
+    "cuda_graph_moe_router_scope": (
+        dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router"],
+             num_moe_experts=4, moe_token_dispatcher_type="alltoall"), "cuda_graph_modules"),
+    "cuda_graph_local_moe_preprocess": (
+        dict(cuda_graph_impl="local", cuda_graph_modules=["moe_router", "moe_preprocess"],
+             num_moe_experts=4, moe_token_dispatcher_type="alltoall"), "cuda_graph_modules"),
+    "cuda_graph_local_mhc_recompute": (dict(cuda_graph_impl="local", mhc_recompute=True),
+                                       "mhc_recompute / cuda_graph_impl"),
+    "cuda_graph_te_mhc_recompute": (dict(cuda_graph_impl="transformer_engine",
+                                         mhc_recompute=True), "mhc_recompute / cuda_graph_impl"),
+    "enable_cuda_graph_mhc_recompute": (dict(enable_cuda_graph=True, mhc_recompute=True),
+                                        "mhc_recompute / cuda_graph_impl"),
     "cpu_offloading": (dict(cpu_offloading=True, cpu_offloading_num_layers=1), "cpu_offloading"),
     "fine_grained_offloading": (dict(fine_grained_activation_offloading=True,
                                      offload_modules=["core_attn"]),
@@ -154,3 +163,27 @@ def test_pipeline_parallel_is_accepted_with_shape_exchange(vp, experts):
     plain = MHCTransformerConfig(**BASE)  # without PP nothing changes
     assert not plain.variable_seq_lengths and plain.moe_token_dispatcher_type == "allgather"
 
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(cuda_graph_impl="local"),
+    dict(cuda_graph_impl="transformer_engine"),
+    dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"]),
+    dict(cuda_graph_impl="local", cuda_graph_modules=["attn", "moe"], num_moe_experts=4,
+         moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True,
+         moe_token_dispatcher_type="alltoall"),
+    dict(cuda_graph_impl="full_iteration"),
+    dict(cuda_graph_impl="full_iteration", mhc_recompute=True),
+], ids=["local", "te", "te_attn", "local_attn_moe", "full_iteration", "full_iteration_recompute"])
+def test_cuda_graphs_are_accepted(overrides):
+    """Whole-layer, attention and whole-MoE graph scopes capture the mHC layer's own forward;
+    full-iteration graphs capture the whole step (the recompute hooks included)."""
+    config = MHCTransformerConfig(**{**BASE, **overrides})
+    assert config.cuda_graph_impl == overrides["cuda_graph_impl"]
+
+
+def test_deprecated_cuda_graph_flag_is_accepted():
+    """Megatron maps enable_cuda_graph to cuda_graph_impl='local' (after our first check)."""
+    with pytest.warns(UserWarning, match="enable_cuda_graph is deprecated"):
+        config = MHCTransformerConfig(**{**BASE, "enable_cuda_graph": True})
+    assert config.cuda_graph_impl == "local"
