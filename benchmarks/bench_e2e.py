@@ -1,13 +1,14 @@
 """What a whole training step pays for mHC, against the bytes mHC must move.
 
     python benchmarks/bench_e2e.py [--configs dense moe] [--specs te local] [--steps 10]
-        [--profile] [--out bench_e2e.md]
+        [--runs baseline mhc recompute] [--profile] [--out bench_e2e.md]
 
 One process, side by side, per config and spec family: ``baseline`` (Megatron's own GPT block
 spec), ``mHC`` (n=4, Triton kernels) and ``mHC + recompute`` (``mhc_recompute``, eq. 20
-blocks). A step is forward + backward of one micro-batch (bf16 weights and activations, no
-optimiser: it is the same for all three); reported: median step time, tokens/s, peak memory
-allocated during the step, and mHC's overhead next to its byte floor.
+blocks); ``--runs`` picks a subset (e.g. ``--runs mhc recompute``). A step is forward +
+backward of one micro-batch (bf16 weights and activations, no optimiser: it is the same for
+all three); reported: median step time, tokens/s, peak memory allocated during the step,
+and mHC's overhead next to its byte floor.
 
 Configs (``--layers`` etc. override):
 
@@ -25,9 +26,16 @@ streams, y = C, as ``benchmarks/bench_mhc.py`` counts them) ``pre`` x + y, ``com
 x + y + x, backward 3x + 3y, i.e. 6x + 5y; with ``mhc_recompute`` the forward ops once more
 (3x + 2y). Two sublayers a layer; divided by the measured copy bandwidth (read + write) of
 this GPU, that is the time mHC cannot go below (its GEMMs for the mappings are negligible at
-these widths). ``--profile`` adds, per config, where the mHC run's time goes: device time
-by kernel category (mHC Triton kernels, GEMMs, attention, copies and elementwise, other) and
-the step time not covered by kernels (launch and Python overhead).
+these widths).
+
+``--profile`` profiles one more step of every run (twice: once for device time, once with
+Python stacks for the host side) and adds, per config and spec: device time by kernel category
+(mHC Triton kernels, GEMMs, attention, copies and elementwise, other), the step time not
+covered by kernels (launch, Python, syncs) and kernel launches, one column per run plus the
+differences between consecutive runs; for each such pair the kernels whose device time grows
+most, and the host-side events whose self CPU time grows most (aten ops, CUDA runtime calls
+such as cudaStreamSynchronize or cudaMalloc, autograd nodes, Python functions such as
+``mhc_recompute``'s saved-tensor hooks; traced with Python stacks, so slower than untraced).
 
 ``--smoke`` shrinks every config to a few layers of width 64 (CPU or GPU): a check that the
 script runs, not a measurement.
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import re
 import statistics
 import sys
 import time
@@ -55,6 +64,7 @@ CONFIGS = {
 }
 SMOKE = dict(layers=2, hidden=64, ffn=128, heads=4, seq=64, mbs=2)
 RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True)]
+RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute"}
 
 
 def parse_args(argv=None):
@@ -65,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS), default=list(RUN_KEYS),
+                   help="the runs to measure (default all): baseline, mhc, recompute")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -186,35 +198,165 @@ CATEGORIES = [("mHC kernels", ("_proj_partial", "_mappings", "_aggregate", "_com
                                "_dhpre", "_pre_dx_dphi", "mhc")),
               ("GEMM", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "matmul")),
               ("attention", ("flash", "fmha", "attn", "attention", "sdpa")),
-              ("copies, elementwise", ("copy", "elementwise", "vectorized", "reduce", "cat",
-                                       "index", "fill"))]
+              ("copies, elementwise", ("copy", "memcpy", "memset", "elementwise", "vectorized",
+                                       "reduce", "cat", "index", "fill"))]
+NOT_COVERED = "not covered by kernels (launch, Python, syncs)"
+TOP = 12  # rows of each growth table
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # "<built-in method ... at 0x7f..>": per process
 
 
-def profile(step) -> list[tuple[str, float]]:
-    """Device time per kernel category over one ``step``, and the step time that kernels
-    leave uncovered."""
+def _profiled(step, with_stack: bool):
+    """Run ``step`` once under the torch profiler (CPU, and CUDA where there is a GPU):
+    its wall time (ms) and the profiler's events."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    step()
-    _sync()
-    cuda = torch.cuda.is_available()
-    with torch_profile(activities=[ProfilerActivity.CPU]
-                       + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities, with_stack=with_stack) as prof:
         start = time.perf_counter()
         step()
         _sync()
         wall = 1e3 * (time.perf_counter() - start)
+    return wall, prof.events()  # not key_averages(): it leaves the Python functions out
+
+
+def _tally(events, device: bool) -> dict[str, list]:
+    """``{name: [ms, count]}`` of the device events (kernels, memcpy, memset; their duration)
+    or of the host events (their self CPU time)."""
+    from torch.autograd import DeviceType
+
+    table: dict[str, list] = {}
+    for e in events:
+        if (e.device_type != DeviceType.CPU) == device:
+            entry = table.setdefault(_ADDRESS.sub("", e.name), [0.0, 0])
+            entry[0] += (e.time_range.elapsed_us() if device else e.self_cpu_time_total) / 1e3
+            entry[1] += 1
+    return table
+
+
+def profile_device(step) -> dict:
+    """One profiled ``step``: its wall time (ms) and, per kernel name, device time (ms) and
+    launches (``{"wall": ms, "kernels": {name: [ms, launches]}}``)."""
+    wall, events = _profiled(step, with_stack=False)
+    return {"wall": wall, "kernels": _tally(events, device=True)}
+
+
+def profile_host(step) -> dict:
+    """One ``step`` traced with Python stacks: its wall time (ms) and, per host-side event
+    (aten op, CUDA runtime call, autograd node, Python function), self CPU time (ms) and calls
+    (``{"traced wall": ms, "host": {name: [ms, calls]}}``)."""
+    wall, events = _profiled(step, with_stack=True)
+    return {"traced wall": wall, "host": _tally(events, device=False)}
+
+
+def categorize(kernels: dict) -> dict[str, float]:
+    """Device time (ms) per category of ``CATEGORIES`` (and "other") of a kernel table."""
     totals = dict.fromkeys([c for c, _ in CATEGORIES] + ["other"], 0.0)
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", 0.0) if cuda else 0.0
-        if not us or event.key.startswith(("aten::", "autograd", "ProfilerStep")):
-            continue  # CPU-side ops: their kernels are counted under the kernels' own names
-        name = event.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-        totals[cat] += us / 1e3
-    busy = sum(totals.values())
-    return [*totals.items(), ("not covered by kernels (launch, Python, syncs)", wall - busy)]
+    for name, (ms, _) in kernels.items():
+        low = name.lower()
+        totals[next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")] += ms
+    return totals
+
+
+def _pairs(runs: list[str]) -> list[tuple[str, str]]:
+    """Consecutive runs, in ``RUNS`` order: what each step of the ladder adds."""
+    return list(zip(runs, runs[1:]))
+
+
+def _short(name: str, width: int = 70) -> str:
+    """A table cell of ``name``: its head (its tail for a Python function: file and line)."""
+    name = name.replace("|", "/")
+    if len(name) <= width:
+        return name
+    return "..." + name[3 - width:] if ".py(" in name else name[:width - 3] + "..."
+
+
+def category_lines(profiles: dict[str, dict]) -> list[str]:
+    """The table of device time per category, uncovered and wall time, launches: one column
+    per run, then one per consecutive pair (later minus earlier)."""
+    runs, pairs = list(profiles), _pairs(list(profiles))
+    rows: dict[str, list[float]] = {}
+    for p in profiles.values():
+        cats = categorize(p["kernels"])
+        busy = sum(cats.values())
+        values = {**cats, "kernels, total": busy, NOT_COVERED: p["wall"] - busy,
+                  "step wall, profiled": p["wall"],
+                  "step wall, traced with Python stacks": p["traced wall"],
+                  "kernel launches (count)": sum(n for _, n in p["kernels"].values())}
+        for row, value in values.items():
+            rows.setdefault(row, []).append(value)
+    lines = ["| ms | " + " | ".join(runs + [f"{b} - {a}" for a, b in pairs]) + " |",
+             "|---" * (1 + len(runs) + len(pairs)) + "|"]
+    for row, vs in rows.items():
+        fmt = "{:.0f}" if "count" in row else "{:.2f}"
+        deltas = [vs[runs.index(b)] - vs[runs.index(a)] for a, b in pairs]
+        lines.append(f"| {row} | " + " | ".join(fmt.format(v) for v in vs + deltas) + " |")
+    return lines
+
+
+def growth_lines(a: str, b: str, table_a: dict, table_b: dict, what: str) -> list[str]:
+    """The ``TOP`` entries (kernels or host events: ``{name: [ms, count]}``) whose time grows
+    most from run ``a`` to run ``b``, and the totals."""
+    zero = [0.0, 0]
+    names = set(table_a) | set(table_b)
+    delta = {n: table_b.get(n, zero)[0] - table_a.get(n, zero)[0] for n in names}
+    lines = [f"| {what} | {a} (ms) | {b} (ms) | {b} - {a} (ms) | count {a} | count {b} |",
+             "|---|---|---|---|---|---|"]
+    for n in sorted(names, key=lambda n: -delta[n])[:TOP]:
+        (ms_a, n_a), (ms_b, n_b) = table_a.get(n, zero), table_b.get(n, zero)
+        lines.append(f"| {_short(n)} | {ms_a:.2f} | {ms_b:.2f} | {delta[n]:+.2f} | {n_a} | {n_b} |")
+    tot_a, tot_b = (sum(v[0] for v in t.values()) for t in (table_a, table_b))
+    cnt_a, cnt_b = (sum(v[1] for v in t.values()) for t in (table_a, table_b))
+    lines.append(f"| all | {tot_a:.2f} | {tot_b:.2f} | {tot_b - tot_a:+.2f} | {cnt_a} | {cnt_b} |")
+    return lines
+
+
+def profile_report(cfg_name: str, spec: str, profiles: dict[str, dict]) -> list[str]:
+    """All ``--profile`` tables of one config and spec family."""
+    lines = ["", f"where the step time goes ({cfg_name}, {spec}), one profiled step per run:", ""]
+    lines += category_lines(profiles)
+    for a, b in _pairs(list(profiles)):
+        pa, pb = profiles[a], profiles[b]
+        if pa["kernels"] or pb["kernels"]:
+            lines += ["", f"kernels growing most from {a} to {b} ({cfg_name}, {spec}):", ""]
+            lines += growth_lines(a, b, pa["kernels"], pb["kernels"], "kernel")
+        lines += ["", f"host events growing most from {a} to {b}, self CPU time traced with "
+                  f"Python stacks ({cfg_name}, {spec}):", ""]
+        lines += growth_lines(a, b, pa["host"], pb["host"], "host event")
+    return lines
+
+
+def measure_run(shape: dict, spec: str, mhc: bool, recompute: bool, device, args):
+    """Build one run's model, measure its step (and profile it with ``--profile``), free it.
+    Returns ``measure``'s dict and the profile (``None`` without ``--profile``)."""
+    model, _ = build(shape, spec, mhc, recompute, device)
+    step = make_step(model, shape, spec, device)
+    r = measure(step, shape["mbs"] * shape["seq"], args.steps, args.warmup)
+    prof = {**profile_device(step), **profile_host(step)} if args.profile else None
+    del model, step
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return r, prof
+
+
+def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: dict,
+               bw: float) -> str:
+    """One row of the results table; ``ms``: step times so far by run name (a comparison
+    whose reference run was not selected reads "-")."""
+    name, mhc, recompute = run
+    base_ms, mhc_ms = ms.get("baseline"), ms.get("mHC")
+    rel = f"{r['ms'] / base_ms:.3f}x" if base_ms else "-"
+    rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if recompute and mhc_ms else "-"
+    floor = over = "-"
+    if mhc:
+        floor_ms = floor_bytes(shape, recompute) / (bw * 1e9) * 1e3
+        floor = f"{floor_ms:.1f}"
+        if math.isfinite(floor_ms) and floor_ms > 0 and base_ms:
+            over = f"{(r['ms'] - base_ms) / floor_ms:.2f}"
+    return (f"| {cfg_name} | {spec} | {name} | {r['ms']:.1f} | {r['tokens_s']:,.0f} | "
+            f"{r['peak_gib']:.2f} | {rel} | {rel_mhc} | {floor} | {over} |")
 
 
 def main(argv=None):
@@ -235,39 +377,21 @@ def main(argv=None):
              "| config | spec | run | step (ms) | tokens/s | peak alloc (GiB) | vs baseline "
              "| vs mHC | mHC byte floor (ms) | overhead / floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    profiles = []
+    profiles = {}
+    runs = [r for r in RUNS if r[0] in {RUN_KEYS[k] for k in args.runs}]
     for cfg_name in args.configs:
         shape = {**shape_of(cfg_name, args), "vocab": args.vocab if not args.smoke else 256}
         for spec in args.specs:
-            base_ms = mhc_ms = None
-            for run, mhc, recompute in RUNS:
-                model, _ = build(shape, spec, mhc, recompute, device)
-                step = make_step(model, shape, spec, device)
-                r = measure(step, shape["mbs"] * shape["seq"], args.steps, args.warmup)
-                if args.profile and run == "mHC":
-                    profiles.append((cfg_name, spec, profile(step)))
-                del model, step
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                base_ms = r["ms"] if base_ms is None else base_ms
-                mhc_ms = r["ms"] if run == "mHC" else mhc_ms
-                rel = f"{r['ms'] / base_ms:.3f}x"
-                rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if recompute else "-"
-                floor = over = "-"
-                if mhc:
-                    floor_ms = floor_bytes(shape, recompute) / (bw * 1e9) * 1e3
-                    floor = f"{floor_ms:.1f}"
-                    if math.isfinite(floor_ms) and floor_ms > 0:
-                        over = f"{(r['ms'] - base_ms) / floor_ms:.2f}"
-                lines.append(f"| {cfg_name} | {spec} | {run} | {r['ms']:.1f} | "
-                             f"{r['tokens_s']:,.0f} | {r['peak_gib']:.2f} | {rel} | {rel_mhc} | {floor} "
-                             f"| {over} |")
+            ms: dict[str, float] = {}
+            for run, mhc, recompute in runs:
+                r, prof = measure_run(shape, spec, mhc, recompute, device, args)
+                ms[run] = r["ms"]
+                if prof is not None:
+                    profiles.setdefault((cfg_name, spec), {})[run] = prof
+                lines.append(result_row(cfg_name, spec, (run, mhc, recompute), r, ms, shape, bw))
                 print(lines[-1], flush=True)
-    for cfg_name, spec, rows in profiles:
-        lines += ["", f"where the mHC step's time goes ({cfg_name}, {spec}):", "",
-                  "| category | ms |", "|---|---|"]
-        lines += [f"| {cat} | {ms:.2f} |" for cat, ms in rows]
+    for (cfg_name, spec), by_run in profiles.items():
+        lines += profile_report(cfg_name, spec, by_run)
     text = "\n".join(lines)
     print("\n" + text)
     if args.out:
