@@ -1,7 +1,7 @@
 """What a whole training step pays for mHC, against the bytes mHC must move.
 
     python benchmarks/bench_e2e.py [--configs dense moe] [--specs te local] [--steps 10]
-        [--runs baseline mhc recompute] [--profile] [--out bench_e2e.md]
+        [--runs baseline mhc recompute] [--graphs] [--profile] [--out bench_e2e.md]
 
 One process, side by side, per config and spec family: ``baseline`` (Megatron's own GPT block
 spec), ``mHC`` (n=4, Triton kernels) and ``mHC + recompute`` (``mhc_recompute``, eq. 20
@@ -37,6 +37,12 @@ most, and the host-side events whose self CPU time grows most (aten ops, CUDA ru
 such as cudaStreamSynchronize or cudaMalloc, autograd nodes, Python functions such as
 ``mhc_recompute``'s saved-tensor hooks; traced with Python stacks, so slower than untraced).
 
+``--graphs`` (GPU) adds ``baseline + graphs`` and ``mHC + graphs``: the same models with
+Megatron's local per-layer CUDA graphs (``cuda_graph_impl="local"``, captured after the first
+step by ``create_cudagraphs()``), which remove the launch and Python work of every layer;
+``mHC + graphs`` is compared with ``baseline + graphs``. Every run then trains through
+Megatron's DDP (the graphs' backward accumulates into its fp32 main grads).
+
 ``--smoke`` shrinks every config to a few layers of width 64 (CPU or GPU): a check that the
 script runs, not a measurement.
 """
@@ -65,6 +71,9 @@ CONFIGS = {
 SMOKE = dict(layers=2, hidden=64, ffn=128, heads=4, seq=64, mbs=2)
 RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True)]
 RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute"}
+# --graphs: the same models with Megatron's local per-layer CUDA graphs (no mhc_recompute: the
+# config refuses it with per-layer graphs)
+GRAPH_RUNS = [("baseline + graphs", False, False), ("mHC + graphs", True, False)]
 
 
 def parse_args(argv=None):
@@ -78,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS), default=list(RUN_KEYS),
                    help="the runs to measure (default all): baseline, mhc, recompute")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--graphs", action="store_true",
+                   help="add baseline and mHC with Megatron's local per-layer CUDA graphs; "
+                        "every run then trains through Megatron's DDP (fp32 main grads)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     for key in ("layers", "hidden", "seq", "mbs"):
@@ -102,8 +114,12 @@ def shape_of(name: str, args) -> dict:
     return shape
 
 
-def build(shape: dict, spec: str, mhc: bool, recompute: bool, device):
-    """The GPT of one run: bf16, RMSNorm, RoPE, SwiGLU, no biases; MoE where ``experts``."""
+def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bool = False,
+          ddp: bool = False):
+    """The GPT of one run: bf16, RMSNorm, RoPE, SwiGLU, no biases; MoE where ``experts``.
+    ``graphs``: Megatron's local per-layer CUDA graphs; ``ddp``: inside Megatron's DDP (the
+    graphs' backward accumulates into its fp32 main grads, so graphs need it)."""
+    from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -112,6 +128,9 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device):
     from mhc_megatron.testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(1234)
+    if ddp and device == "cuda":  # the RNG tracker that CUDA graphs need, for every run alike
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True,
+                                                        force_reset_rng=True)
     moe = {}
     if "experts" in shape:
         moe = dict(num_moe_experts=shape["experts"], moe_router_topk=shape["topk"],
@@ -127,7 +146,8 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device):
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.bfloat16, bf16=True, enable_hyper_connections=mhc,
-        num_residual_streams=N, mhc_recompute=recompute, **moe)
+        num_residual_streams=N, mhc_recompute=recompute,
+        cuda_graph_impl="local" if graphs else "none", **moe)
     te = spec == "te"
     make_spec = get_gpt_decoder_block_with_mhc_spec if mhc else get_gpt_decoder_block_spec
     block = make_spec(config, use_transformer_engine=te, normalization="RMSNorm")
@@ -137,8 +157,14 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device):
         for layer_spec in block.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(config, block, vocab_size=shape["vocab"],
-                     max_sequence_length=shape["seq"], position_embedding_type="rope")
-    return model.to(device), config
+                     max_sequence_length=shape["seq"], position_embedding_type="rope").to(device)
+    if ddp:
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig)
+
+        model = DistributedDataParallel(
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    return model, config
 
 
 def _sync():
@@ -146,8 +172,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def make_step(model, shape: dict, spec: str, device):
-    """One forward + backward of a fixed micro-batch (no mask with SDPA: it is causal)."""
+def make_step(model, shape: dict, spec: str, device, graphs: bool = False):
+    """One forward + backward of a fixed micro-batch (no mask with SDPA: it is causal). In
+    DDP the grad buffers are zeroed first; with ``graphs`` the first step records the layers
+    and Megatron's ``create_cudagraphs()`` (as its schedules do) captures them after it."""
+    from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, shape["vocab"], (shape["mbs"], shape["seq"]), device=device,
                         generator=g)
@@ -156,7 +186,11 @@ def make_step(model, shape: dict, spec: str, device):
         torch.ones(shape["seq"], shape["seq"], dtype=torch.bool, device=device), 1)[None, None]
 
     def step():
+        if hasattr(model, "zero_grad_buffer"):
+            model.zero_grad_buffer()
         model(ids, pos, mask, labels=ids).float().mean().backward()
+        if graphs:
+            create_cudagraphs()  # a no-op once created
 
     return step
 
@@ -327,14 +361,20 @@ def profile_report(cfg_name: str, spec: str, profiles: dict[str, dict]) -> list[
     return lines
 
 
-def measure_run(shape: dict, spec: str, mhc: bool, recompute: bool, device, args):
-    """Build one run's model, measure its step (and profile it with ``--profile``), free it.
-    Returns ``measure``'s dict and the profile (``None`` without ``--profile``)."""
-    model, _ = build(shape, spec, mhc, recompute, device)
-    step = make_step(model, shape, spec, device)
+def measure_run(shape: dict, spec: str, mhc: bool, recompute: bool, device, args,
+                graphs: bool = False):
+    """Build one run's model, measure its step (and profile it with ``--profile``), free it
+    (and its CUDA graphs). Returns ``measure``'s dict and the profile (``None`` without
+    ``--profile``)."""
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    model, _ = build(shape, spec, mhc, recompute, device, graphs=graphs, ddp=args.graphs)
+    step = make_step(model, shape, spec, device, graphs=graphs)
     r = measure(step, shape["mbs"] * shape["seq"], args.steps, args.warmup)
     prof = {**profile_device(step), **profile_host(step)} if args.profile else None
     del model, step
+    if graphs:
+        delete_cuda_graphs()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -346,7 +386,8 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
     """One row of the results table; ``ms``: step times so far by run name (a comparison
     whose reference run was not selected reads "-")."""
     name, mhc, recompute = run
-    base_ms, mhc_ms = ms.get("baseline"), ms.get("mHC")
+    graphs = name.endswith("+ graphs")  # compared with the graphed baseline
+    base_ms, mhc_ms = ms.get("baseline + graphs" if graphs else "baseline"), ms.get("mHC")
     rel = f"{r['ms'] / base_ms:.3f}x" if base_ms else "-"
     rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if recompute and mhc_ms else "-"
     floor = over = "-"
@@ -378,13 +419,15 @@ def main(argv=None):
              "| vs mHC | mHC byte floor (ms) | overhead / floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     profiles = {}
-    runs = [r for r in RUNS if r[0] in {RUN_KEYS[k] for k in args.runs}]
+    runs = [(*r, False) for r in RUNS if r[0] in {RUN_KEYS[k] for k in args.runs}]
+    if args.graphs and device == "cuda":
+        runs += [(*r, True) for r in GRAPH_RUNS]
     for cfg_name in args.configs:
         shape = {**shape_of(cfg_name, args), "vocab": args.vocab if not args.smoke else 256}
         for spec in args.specs:
             ms: dict[str, float] = {}
-            for run, mhc, recompute in runs:
-                r, prof = measure_run(shape, spec, mhc, recompute, device, args)
+            for run, mhc, recompute, graphs in runs:
+                r, prof = measure_run(shape, spec, mhc, recompute, device, args, graphs)
                 ms[run] = r["ms"]
                 if prof is not None:
                     profiles.setdefault((cfg_name, spec), {})[run] = prof
