@@ -222,10 +222,7 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "the residual of an mHC layer is the n-stream state, not a layernorm output",
               "set apply_residual_connection_post_layernorm=False")
     _validate_cuda_graphs(config)
-    if config.cpu_offloading or config.fine_grained_activation_offloading:
-        _fail("cpu_offloading / fine_grained_activation_offloading",
-              "activation offloading would offload the aggregated input, not the n streams",
-              "turn activation offloading off")
+    _validate_offloading(config)
     if config.overlap_moe_expert_parallel_comm:
         _fail("overlap_moe_expert_parallel_comm",
               "the MoE EP-overlap schedule splits the layer outside the mHC hooks",
@@ -282,6 +279,54 @@ def _validate_cuda_graphs(config) -> None:
               "on replay",
               "use mhc_recompute=False with per-layer graphs (or Megatron's selective "
               "recompute), or cuda_graph_impl='none' with mhc_recompute=True")
+
+
+STREAM_OFFLOAD_MODULES = ("attn_norm", "mlp_norm")
+
+
+def _validate_offloading(config) -> None:
+    """Activation offloading with mHC. ``fine_grained_activation_offloading`` is supported:
+    every offload module does what it does in Megatron's layer, and ``attn_norm`` /
+    ``mlp_norm`` also offload the sublayer's input streams ``[s, b, n*C]`` and release them
+    after the combine, as Megatron releases its residual
+    (:mod:`mhc_megatron.layers.stream_offload`). Refused: the legacy ``cpu_offloading``, and
+    the stream offload together with mhc_recompute or full recompute; offloading with CUDA
+    graphs."""
+    if config.cpu_offloading:
+        _fail("cpu_offloading",
+              "the legacy layer-level offloading (Transformer Engine's CPU offload context "
+              "around whole layers) is not verified with the n-stream residual, and "
+              "mhc_recompute's saved-tensor hooks would take precedence over it inside each "
+              "layer",
+              "use fine_grained_activation_offloading=True with 'attn_norm' / 'mlp_norm' in "
+              "offload_modules (--fine-grained-activation-offloading --offload-modules "
+              "attn_norm mlp_norm): they offload the n streams; or set cpu_offloading=False")
+    if not config.fine_grained_activation_offloading:
+        return
+    streams = [m for m in STREAM_OFFLOAD_MODULES if m in (config.offload_modules or [])]
+    if streams and config.mhc_recompute:
+        _fail("mhc_recompute / offload_modules",
+              f"mhc_recompute=True with {streams} in offload_modules is not supported: those "
+              "modules offload the sublayer's input streams and free their GPU storage after "
+              "the combine, and the recompute replays its blocks from those streams",
+              "use one of them for the n streams: mhc_recompute=True with offload_modules "
+              "without 'attn_norm' / 'mlp_norm' (e.g. ['qkv_linear'] or ['core_attn', "
+              "'attn_proj']), or the offload of 'attn_norm' / 'mlp_norm' with "
+              "mhc_recompute=False")
+    if streams and config.recompute_granularity == "full":
+        _fail("recompute_granularity / offload_modules",
+              f"full recompute with {streams} in offload_modules is not supported: full "
+              "recompute re-runs each layer's forward inside backward, where the streams' "
+              "offload group would be opened and committed while Megatron is reloading, and "
+              "the release of the streams would free the recompute's saved layer input",
+              "drop 'attn_norm' / 'mlp_norm' from offload_modules, or use "
+              "recompute_granularity='selective' (or None)")
+    if _graph_impl(config) != "none":
+        _fail("fine_grained_activation_offloading / cuda_graph_impl",
+              "fine-grained activation offloading with CUDA graphs is not verified with mHC "
+              "layers (the offload groups would be opened and committed inside the captured "
+              "layers)",
+              "set cuda_graph_impl='none', or fine_grained_activation_offloading=False")
 
 
 def hyper_connections_enabled(config: TransformerConfig) -> bool:

@@ -2,7 +2,8 @@
 # One GPU: CUDA graphs with mHC (issue 15). carry [".whl"] (+ TE's build for the TE cases:
 # export PYTHONPATH=/tmp/tebuild/site first). Logs to $OUT.
 #   PHASE=child   the equivalence child directly, a few cases (quick look, full output)
-#   PHASE=tests   tests/test_cuda_graphs.py (PYTEST_K: a -k selection)
+#   PHASE=tests   tests/test_cuda_graphs.py and tests/test_offloading.py (TESTS: other files,
+#                 PYTEST_K: a -k selection)
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
@@ -16,7 +17,8 @@ if [ "${PHASE:-tests}" = child ]; then
     grep -E "RESULT|Error|error" "$OUT/child_$1_$2.log" | tail -5 | cut -c1-1500
   done
 else
-  timeout 580 python3 -m pytest tests/test_cuda_graphs.py -q -p no:cacheprovider -rs -s \
+  timeout ${TEST_TIMEOUT:-560} python3 -m pytest ${TESTS:-tests/test_cuda_graphs.py tests/test_offloading.py} \
+    -q -p no:cacheprovider -rs -s \
     ${PYTEST_K:+-k "$PYTEST_K"} --durations=5 > "$OUT/graph_tests.log" 2>&1
-  grep -E "^\[|passed|failed|Error|assert" "$OUT/graph_tests.log" | tail -40 | cut -c1-1500
+  grep -E "^\[|passed|failed|Error|assert|peak GPU" "$OUT/graph_tests.log" | tail -40 | cut -c1-1500
 fi

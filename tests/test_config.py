@@ -90,9 +90,10 @@ REFUSED = {
     "enable_cuda_graph_mhc_recompute": (dict(enable_cuda_graph=True, mhc_recompute=True),
                                         "mhc_recompute / cuda_graph_impl"),
     "cpu_offloading": (dict(cpu_offloading=True, cpu_offloading_num_layers=1), "cpu_offloading"),
-    "fine_grained_offloading": (dict(fine_grained_activation_offloading=True,
-                                     offload_modules=["core_attn"]),
-                                "fine_grained_activation_offloading"),
+    # fine_grained_activation_offloading itself is supported (tests/test_offloading.py)
+    "stream_offloading_with_mhc_recompute": (
+        dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"],
+             mhc_recompute=True), "mhc_recompute / offload_modules"),
     "moe_ep_overlap": (dict(overlap_moe_expert_parallel_comm=True, num_moe_experts=4,
                             expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
                             bf16=True, pipeline_dtype=torch.bfloat16),

@@ -14,7 +14,12 @@ Megatron calls the bias-dropout-add it gets ``x' = H_res x + H_post^T dropout(f 
 instead of ``y + dropout(f + bias)``. Everything else Megatron does around the sublayer
 (selective recompute of layernorm / MLP / core attention, MoE un-flattening, the final
 ``make_viewless_tensor``) runs unchanged; CUDA graphs, the MoE EP-overlap schedule,
-offloading and fused-TP inference are refused by the config.
+the legacy ``cpu_offloading`` and fused-TP inference are refused by the config.
+
+Fine-grained activation offloading runs as in Megatron's layer; with ``"attn_norm"`` /
+``"mlp_norm"`` in ``offload_modules`` each sublayer's input streams (the real residual,
+``[s, b, n*C]``) are offloaded in a group of their own and force-released right after the
+combine, where Megatron releases its residual (:mod:`mhc_megatron.layers.stream_offload`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch import Tensor
 from mhc_megatron._logging import log_rank0
 from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule, StreamMappings
+from mhc_megatron.layers.stream_offload import StreamOffload, stream_offload_group
 from mhc_megatron.layers.streams import StreamContractingNorm, expand_streams
 from mhc_megatron.recompute.manager import manager_for, run_recorded
 
@@ -68,14 +74,20 @@ class _StreamCombine:
     Megatron; the call then returns ``hyper_connection.combine(streams, output_with_bias,
     ...)`` and ignores ``residual`` (Megatron's residual there is the aggregated input
     ``y``, not the streams). The object holds tensors only between ``arm`` and the call.
+    ``offload_group``: the Megatron offload group of the streams (fine-grained activation
+    offloading with this sublayer's norm module in ``offload_modules``), or None; when the
+    layer arms a :class:`StreamOffload`, the combine runs through it (its commit releases
+    the streams, as Megatron's layer releases its residual after the bias-dropout-add).
     """
 
-    def __init__(self, hyper_connection: HyperConnectionModule):
+    def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
         self.hyper_connection = hyper_connection
-        self._armed: tuple[Tensor, StreamMappings] | None = None
+        self.offload_group = offload_group
+        self._armed: tuple[Tensor, StreamMappings, StreamOffload | None] | None = None
 
-    def arm(self, streams: Tensor, mappings: StreamMappings) -> None:
-        self._armed = (streams, mappings)
+    def arm(self, streams: Tensor, mappings: StreamMappings,
+            offload: StreamOffload | None = None) -> None:
+        self._armed = (streams, mappings, offload)
 
     def disarm(self) -> None:
         self._armed = None
@@ -92,8 +104,12 @@ class _StreamCombine:
                 "schedule, fused inference paths; the config refuses the known ones) and "
                 "report the Megatron code path."
             )
-        streams, mappings = self._armed
+        streams, mappings, offload = self._armed
         self._armed = None
+        if offload is not None:
+            return offload.combine(
+                lambda out: self.hyper_connection.combine(streams, out, mappings, prob, training),
+                output_with_bias)
         return self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training)
 
 
@@ -133,8 +149,10 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             submodules.self_attention_hyper_connection, config=config
         )
         self.mlp_hyper_connection = build_module(submodules.mlp_hyper_connection, config=config)
-        self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection)
-        self.mlp_bda = _StreamCombine(self.mlp_hyper_connection)
+        self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection,
+                                            stream_offload_group(config, "attn_norm"))
+        self.mlp_bda = _StreamCombine(self.mlp_hyper_connection,
+                                      stream_offload_group(config, "mlp_norm"))
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
@@ -165,9 +183,21 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         return hidden_states
 
     def _run_sublayer(self, parent_method, hyper_connection, combine, streams, *args, **kwargs):
-        """Aggregate the streams, run Megatron's sublayer method on ``y``, combine."""
-        y, mappings = hyper_connection.pre(streams)
-        combine.arm(streams, mappings)
+        """Aggregate the streams, run Megatron's sublayer method on ``y``, combine.
+
+        With the streams' offload group configured (``combine.offload_group``), pre saves the
+        streams by reference and the group opens on ``y``, before Megatron's sublayer (and
+        its norm group), as Megatron's norm group opens on the norm's input; the combine
+        commits it and releases the streams (:mod:`~mhc_megatron.layers.stream_offload`).
+        """
+        offload = StreamOffload.begin(combine.offload_group, streams)
+        if offload is None:
+            y, mappings = hyper_connection.pre(streams)
+        else:
+            with offload.deferring():
+                y, mappings = hyper_connection.pre(streams)
+            y = offload.start(y)
+        combine.arm(streams, mappings, offload)
         try:
             return parent_method(y, *args, **kwargs)
         finally:
