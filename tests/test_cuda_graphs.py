@@ -21,22 +21,31 @@ import pytest
 import torch
 from helpers import HAVE_TE, ROOT, child_env, run_child
 
+WITHOUT_TE = ROOT / "tests/gpu_child/without_te.py"
+needs_te_graphs = pytest.mark.skipif(
+    not HAVE_TE, reason="needs Transformer Engine (its graph paths)")
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 STEPS = 4
 LAYERS = 3
 
 
-def _run_case(mhc: bool, kind: str, dtype: str = "bf16") -> dict:
-    cmd = [sys.executable, str(ROOT / "tests/gpu_child/cuda_graph_equivalence.py"),
+def _run_case(mhc: bool, kind: str, hide_te: bool, dtype: str = "bf16") -> dict:
+    child = [str(ROOT / "tests/gpu_child/cuda_graph_equivalence.py")]
+    cmd = [sys.executable, *([str(WITHOUT_TE)] if hide_te else []), *child,
            "--mhc", str(int(mhc)), "--kind", kind, "--steps", str(STEPS),
            "--layers", str(LAYERS), "--dtype", dtype]
     run = run_child(cmd, child_env(), timeout=600)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-6000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    print(f"\n[cuda graphs] mhc={mhc} {kind} {dtype}: losses eager {result['loss_eager']} "
-          f"graph {result['loss_graph']}; max |grad diff| per step "
-          f"{[g['max_abs_diff'] for g in result['grads']]}")
+    print(f"\n[cuda graphs] mhc={mhc} {kind} {dtype} TE {'hidden' if hide_te else 'visible'}: "
+          f"losses eager {result['loss_eager']} graph {result['loss_graph']}; "
+          f"max |grad diff| per step {[g['max_abs_diff'] for g in result['grads']]}")
+    assert result["graphed_layers"] == LAYERS, "every layer must run from a created CUDA graph"
+    if mhc:
+        assert all(g["mhc_params"] == 2 * LAYERS * 3 for g in result["grads"]), \
+            "phi, alpha, bias of every sublayer"
     return result
 
 
@@ -44,37 +53,69 @@ def _run_case(mhc: bool, kind: str, dtype: str = "bf16") -> dict:
 @pytest.mark.parametrize("mhc", [True, False], ids=["mhc", "baseline"])
 def test_local_graphs_equal_eager(kind, mhc):
     """Per-step losses and every gradient bitwise equal to eager, over STEPS steps (graphs
-    replayed from step 2 on), every layer graphed."""
-    r = _run_case(mhc, kind)
-    assert r["graphed_layers"] == LAYERS, "every layer must run from a created CUDA graph"
+    replayed from step 2 on), every layer graphed. Megatron's graphs without TE (hidden where
+    installed: see the next test)."""
+    r = _run_case(mhc, kind, hide_te=True)
     assert r["loss_graph"] == r["loss_eager"]
     for step, g in enumerate(r["grads"]):
-        if mhc:
-            assert g["mhc_params"] == 2 * LAYERS * 3, "phi, alpha, bias of every sublayer"
         assert g["differing"] == [] and g["max_abs_diff"] == 0.0, (step, g)
 
 
-# ------------------------------------------------------------ Megatron's own training loop
-from test_pretrain_example import LOCAL, MHC, corpus, pretrain, shared_run  # noqa: E402,F401,F811
+@needs_te_graphs
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_local_graphs_with_te_installed_differ_from_eager_no_more_than_the_baseline(kind):
+    """With TE installed, Megatron's local graphs reuse graph buffers through TE's weak
+    references, and the replay is no longer bitwise equal to eager for any model (steps 2-4
+    differ at bf16-rounding level for the baseline too). The reference for mHC is then the
+    baseline's own graph-vs-eager difference, measured here on the same data: mHC's losses
+    and gradients may differ from eager by no more than that."""
+    mhc, base = _run_case(True, kind, hide_te=False), _run_case(False, kind, hide_te=False)
 
-needs_te_graphs = pytest.mark.skipif(
-    not HAVE_TE, reason="cuda_graph_impl='transformer_engine' needs Transformer Engine")
+    def loss_gap(r):
+        return max(abs(a - b) / abs(b) for a, b in zip(r["loss_graph"], r["loss_eager"]))
+
+    assert r_step1_equal(mhc) and r_step1_equal(base)  # the recording step is eager
+    assert loss_gap(mhc) <= max(loss_gap(base), 1e-6), (loss_gap(mhc), loss_gap(base))
+    worst_base = max(g["max_abs_diff"] for g in base["grads"])
+    assert max(g["max_abs_diff"] for g in mhc["grads"]) <= worst_base
+
+
+def r_step1_equal(r) -> bool:
+    return r["loss_graph"][0] == r["loss_eager"][0] and r["grads"][0]["max_abs_diff"] == 0.0
+
+
+# ------------------------------------------------------------ Megatron's own training loop
+from test_pretrain_example import LOCAL, MHC, Run, _example_cmd, corpus  # noqa: E402,F401,F811
+
 GRAPH_IMPLS = [pytest.param("local", id="local"),
                pytest.param("transformer_engine", marks=needs_te_graphs, id="te"),
                pytest.param("full_iteration", id="full_iteration")]
 # Megatron refuses full-iteration graphs with its NaN check (a host sync); off in both runs.
 IMPL_FLAGS = {"full_iteration": ("--no-check-for-nan-in-loss-and-grad",)}
+_EAGER: dict = {}
+
+
+def _pretrain(corpus, flags, hide_te: bool) -> Run:
+    """One GPU run of examples/pretrain_gpt_mhc.py (TE hidden: see without_te.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           *([str(WITHOUT_TE)] if hide_te else []), *_example_cmd(corpus, flags, "cuda")]
+    return Run(run_child(cmd, child_env(), timeout=600)).ok()
 
 
 @pytest.mark.parametrize("impl", GRAPH_IMPLS)
 def test_pretrain_with_cuda_graphs_equals_eager(corpus, impl):
     """examples/pretrain_gpt_mhc.py (mHC n=4) with ``--cuda-graph-impl``: every micro-batch
-    loss of the graphed run equals the eager run's, bitwise (one GPU; TE's modules for TE's
-    graphs, Megatron's local modules otherwise). Megatron captures after its first step(s),
-    so the later steps run from the graphs with the weights the optimizer updated."""
-    flags = (*MHC, *(() if impl == "transformer_engine" else LOCAL), *IMPL_FLAGS.get(impl, ()))
-    eager = shared_run(corpus, *flags, device="cuda")
-    graphed = pretrain(corpus, *flags, "--cuda-graph-impl", impl, device="cuda").ok()
+    loss of the graphed run equals the eager run's, bitwise (one GPU). Megatron captures
+    after its first step(s), so the later steps run from the graphs with the weights the
+    optimizer updated. ``local`` and ``full_iteration`` run Megatron's local modules with TE
+    hidden (bitwise replay, see above); ``transformer_engine`` runs TE's modules and graphs."""
+    te = impl == "transformer_engine"
+    flags = (*MHC, *(() if te else LOCAL), *IMPL_FLAGS.get(impl, ()))
+    key = (corpus, flags)
+    if key not in _EAGER:
+        _EAGER[key] = _pretrain(corpus, flags, hide_te=not te)
+    eager = _EAGER[key]
+    graphed = _pretrain(corpus, (*flags, "--cuda-graph-impl", impl), hide_te=not te)
     print(f"\n[pretrain cuda graphs {impl}] eager {eager.train}\n graph {graphed.train}")
     assert len(graphed.train) == len(eager.train) > 0
     assert graphed.train == eager.train
