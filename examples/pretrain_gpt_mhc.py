@@ -76,12 +76,18 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
         mask = loss_mask.view(-1).float()
         loss = torch.sum(losses * mask)
         num_tokens = mask.sum().clone().detach().to(torch.int)
-        if log_micro_batch and _prints_losses():
+        # not while a full-iteration CUDA graph captures the step: printing syncs with the
+        # host (the replays run no Python, so only eager steps print)
+        if log_micro_batch and _prints_losses() and not _capturing():
             print(f"[micro-batch loss] {phase} {float(loss / num_tokens):.10f}", flush=True)
         report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
         return loss, num_tokens, report
 
     return output, loss_func
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _prints_losses() -> bool:

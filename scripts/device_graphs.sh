@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU: CUDA graphs with mHC (issue 15). carry [".whl"] (+ TE's build for the TE cases:
 # export PYTHONPATH=/tmp/tebuild/site first). Logs to $OUT.
+#   PHASE=bench   benchmarks/bench_e2e.py --graphs (BENCH_ARGS: more arguments)
 #   PHASE=child   the equivalence child directly, a few cases (quick look, full output)
 #   PHASE=tests   tests/test_cuda_graphs.py and tests/test_offloading.py (TESTS: other files,
 #                 PYTEST_K: a -k selection)
@@ -9,7 +10,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
   python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
   python3 -c "import transformer_engine as t; print('Transformer Engine', t.__version__)" 2>/dev/null
 } 2>&1 | tee "$OUT/env.txt"
-if [ "${PHASE:-tests}" = child ]; then
+if [ "${PHASE:-tests}" = bench ]; then
+  python3 benchmarks/bench_e2e.py --graphs --out "$OUT/bench_graphs.md" ${BENCH_ARGS:-} 2>&1 \
+    | grep -v "DEPRECATED" | tail -30 | tee "$OUT/bench_graphs.log"
+elif [ "${PHASE:-tests}" = child ]; then
   for case in ${CASES:-"1 dense" "0 dense" "1 moe"}; do
     set -- $case
     timeout 300 python3 tests/gpu_child/cuda_graph_equivalence.py --mhc "$1" --kind "$2" \
