@@ -128,9 +128,10 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bo
     from mhc_megatron.testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(1234)
-    if ddp and device == "cuda":  # the RNG tracker that CUDA graphs need, for every run alike
-        tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True,
-                                                        force_reset_rng=True)
+    if ddp and device == "cuda":  # an RNG tracker CUDA graphs accept, for every run alike
+        te = spec == "te"  # TE's attention takes TE's tracker only
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            1234, te_rng_tracker=te, use_cudagraphable_rng=not te, force_reset_rng=True)
     moe = {}
     if "experts" in shape:
         moe = dict(num_moe_experts=shape["experts"], moe_router_topk=shape["topk"],

@@ -87,9 +87,6 @@ def r_step1_equal(r) -> bool:
 # ------------------------------------------------------------ Megatron's own training loop
 from test_pretrain_example import LOCAL, MHC, Run, _example_cmd, corpus  # noqa: E402,F401,F811
 
-GRAPH_IMPLS = [pytest.param("local", id="local"),
-               pytest.param("transformer_engine", marks=needs_te_graphs, id="te"),
-               pytest.param("full_iteration", id="full_iteration")]
 IMPL_FLAGS = {
     # Megatron refuses full-iteration graphs with its NaN check (a host sync); off in both runs
     "full_iteration": ("--no-check-for-nan-in-loss-and-grad",),
@@ -106,25 +103,43 @@ def _pretrain(corpus, flags, hide_te: bool) -> Run:
     return Run(run_child(cmd, child_env(), timeout=600)).ok()
 
 
-@pytest.mark.parametrize("impl", GRAPH_IMPLS)
+@pytest.mark.parametrize("impl", ["local", "full_iteration"])
 def test_pretrain_with_cuda_graphs_equals_eager(corpus, impl):
-    """examples/pretrain_gpt_mhc.py (mHC n=4) with ``--cuda-graph-impl``: every micro-batch
-    loss of the graphed run equals the eager run's, bitwise (one GPU; full-iteration graphs:
-    every step's loss as Megatron logs it, since the replays run no Python). Megatron captures
-    after its first step(s), so the later steps run from the graphs with the weights the
-    optimizer updated. ``local`` and ``full_iteration`` run Megatron's local modules with TE
-    hidden (bitwise replay, see above); ``transformer_engine`` runs TE's modules and graphs."""
-    te = impl == "transformer_engine"
-    flags = (*MHC, *(() if te else LOCAL), *IMPL_FLAGS.get(impl, ()))
-    key = (corpus, flags)
+    """examples/pretrain_gpt_mhc.py (mHC n=4) with ``--cuda-graph-impl``: every loss of the
+    graphed run equals the eager run's, bitwise (one GPU, Megatron's local modules, TE
+    hidden: see above). Megatron captures after its first step(s), so the later steps run
+    from the graphs with the weights the optimizer updated. Per micro-batch for ``local``;
+    for ``full_iteration`` every step's loss as Megatron logs it (its replays run no Python)."""
+    flags = (*MHC, *LOCAL, *IMPL_FLAGS.get(impl, ()))
+    eager = _eager(corpus, flags, hide_te=True)
+    graphed = _pretrain(corpus, (*flags, "--cuda-graph-impl", impl), hide_te=True)
+    pick = (lambda run: run.logged) if impl == "full_iteration" else (lambda run: run.train)
+    print(f"\n[pretrain cuda graphs {impl}] eager {pick(eager)}\n graph {pick(graphed)}")
+    assert len(pick(graphed)) == len(pick(eager)) > 0
+    assert pick(graphed) == pick(eager)
+
+
+@needs_te_graphs
+def test_pretrain_with_te_cuda_graphs_differs_from_eager_no_more_than_the_baseline(corpus):
+    """``--cuda-graph-impl transformer_engine`` with TE's modules (bf16: Megatron's TE graph
+    helper makes bf16 static inputs). TE's graphed layers are not bitwise equal to eager for
+    any model (on an H100 the mHC run matched eager for the 6 micro-batches before capture,
+    then within 1.1e-5 relative), so the reference is the baseline's own graph-vs-eager gap on
+    the same data: mHC's may not exceed it."""
+    gaps = {}
+    for name, mhc_flags in (("mhc", MHC), ("baseline", ())):
+        flags = (*mhc_flags, *IMPL_FLAGS["transformer_engine"])
+        eager = _eager(corpus, flags, hide_te=False)
+        graphed = _pretrain(corpus, (*flags, "--cuda-graph-impl", "transformer_engine"),
+                            hide_te=False)
+        assert len(graphed.train) == len(eager.train) > 0
+        gaps[name] = max(abs(g - e) / abs(e) for g, e in zip(graphed.train, eager.train))
+        print(f"\n[pretrain TE cuda graphs] {name}: eager {eager.train}\n graph {graphed.train}")
+    assert gaps["mhc"] <= max(gaps["baseline"], 1e-6), gaps
+
+
+def _eager(corpus, flags, hide_te: bool) -> Run:
+    key = (corpus, flags, hide_te)
     if key not in _EAGER:
-        _EAGER[key] = _pretrain(corpus, flags, hide_te=not te)
-    eager = _EAGER[key]
-    graphed = _pretrain(corpus, (*flags, "--cuda-graph-impl", impl), hide_te=not te)
-    if impl == "full_iteration":  # replays run no Python: Megatron's logged loss per step
-        eager_losses, graph_losses = eager.logged, graphed.logged
-    else:
-        eager_losses, graph_losses = eager.train, graphed.train
-    print(f"\n[pretrain cuda graphs {impl}] eager {eager_losses}\n graph {graph_losses}")
-    assert len(graph_losses) == len(eager_losses) > 0
-    assert graph_losses == eager_losses
+        _EAGER[key] = _pretrain(corpus, flags, hide_te=hide_te)
+    return _EAGER[key]
