@@ -64,8 +64,9 @@ def test_local_graphs_equal_eager(kind, mhc):
 @needs_te_graphs
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_local_graphs_with_te_installed_differ_from_eager_no_more_than_the_baseline(kind):
-    """With TE installed, Megatron's local graphs reuse graph buffers through TE's weak
-    references, and the replay is no longer bitwise equal to eager for any model (steps 2-4
+    """With TE installed, Megatron's local graphs take TE's code paths (TE's weak-reference
+    buffer reuse among them), and the replay is no longer bitwise equal to eager for any
+    model (steps 2-4
     differ at bf16-rounding level for the baseline too). The reference for mHC is then the
     baseline's own graph-vs-eager difference, measured here on the same data: mHC's losses
     and gradients may differ from eager by no more than that."""
