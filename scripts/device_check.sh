@@ -10,9 +10,7 @@ OUT="${OUT:-out/device}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 python3 -m pytest tests -q -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/pytest_gpu.log"
 rc_tests=${PIPESTATUS[0]}
 rc_bench=0

@@ -5,10 +5,7 @@
 #   PHASE=bench      benchmarks/bench_e2e.py --profile (dense and MoE; TE and local+SDPA)
 #                    BENCH_ARGS: more arguments, e.g. "--configs moe --steps 20"
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-  python3 -c "import transformer_engine as t; print('Transformer Engine', t.__version__)" 2>/dev/null
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 if [ "${PHASE:-bench}" = recompute ]; then
   python3 -m pytest tests/test_recompute.py -q -p no:cacheprovider -rs --durations=5 2>&1 \
     | tail -25 | tee "$OUT/recompute_tests.log"

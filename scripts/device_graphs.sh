@@ -6,10 +6,7 @@
 #   PHASE=tests   tests/test_cuda_graphs.py and tests/test_offloading.py (TESTS: other files,
 #                 PYTEST_K: a -k selection)
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-  python3 -c "import transformer_engine as t; print('Transformer Engine', t.__version__)" 2>/dev/null
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 if [ "${PHASE:-tests}" = bench ]; then
   python3 benchmarks/bench_e2e.py --graphs --out "$OUT/bench_graphs.md" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "DEPRECATED" | tail -30 | tee "$OUT/bench_graphs.log"

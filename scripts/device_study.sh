@@ -10,9 +10,7 @@
 #   PHASE=study   examples/mhc_study.py (--preset study, bf16, fp32 mapping parameters, SDPA
 #                 attention, SEEDS seeds), stopping between runs before BUDGET seconds
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+record_env
 STUDY="--preset study --precision bf16 --mhc-params fp32 --attention sdpa"
 PHASE="${PHASE:-checks}"
 if [ "$PHASE" = checks ]; then

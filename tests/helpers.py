@@ -36,6 +36,18 @@ needs_fused_adam = pytest.mark.skipif(
     "TE's or Apex's fused Adam (torch Adam: assert len(steps) == 1 in state_dict)")
 
 
+# The smallest mHC config the config tests vary (no model is built from it).
+CONFIG_BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4,
+                   enable_hyper_connections=True)
+
+
+def assert_refused(overrides: dict, field: str) -> None:
+    """``MHCTransformerConfig(**CONFIG_BASE, **overrides)`` raises the config's clear error:
+    a ValueError naming ``field`` and giving a fix."""
+    with pytest.raises(ValueError, match=rf"mHC config: .*{field}.*Fix: "):
+        MHCTransformerConfig(**{**CONFIG_BASE, **overrides})
+
+
 def tiny_config(**overrides) -> MHCTransformerConfig:
     base = dict(
         num_layers=2,

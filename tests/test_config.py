@@ -10,9 +10,11 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from helpers import CONFIG_BASE, assert_refused
+
 from mhc_megatron.config import MHCMLATransformerConfig, MHCTransformerConfig
 
-BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, enable_hyper_connections=True)
+BASE = CONFIG_BASE
 
 
 def test_defaults_and_subclassing():
@@ -103,9 +105,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused(case):
-    overrides, field = REFUSED[case]
-    with pytest.raises(ValueError, match=rf"mHC config: .*{field}.*Fix: "):
-        MHCTransformerConfig(**{**BASE, **overrides})
+    assert_refused(*REFUSED[case])
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -25,7 +25,8 @@ import types
 
 import pytest
 import torch
-from helpers import batch, build_gpt, lm_loss, moe_overrides, needs_te, tiny_config
+from helpers import (CONFIG_BASE, assert_refused, batch, build_gpt, lm_loss, moe_overrides,
+                     needs_te, tiny_config)
 from torch.autograd.graph import saved_tensors_hooks
 
 from mhc_megatron.config import MHCTransformerConfig
@@ -34,7 +35,7 @@ from mhc_megatron.testing.cpu import setup_cpu_megatron
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="Megatron's offload manager needs CUDA")
-BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, enable_hyper_connections=True)
+BASE = CONFIG_BASE
 OFFLOAD = dict(fine_grained_activation_offloading=True)
 STREAMS = ["attn_norm", "mlp_norm"]
 
@@ -81,9 +82,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused(case):
-    overrides, field = REFUSED[case]
-    with pytest.raises(ValueError, match=rf"mHC config: .*{field}.*Fix: "):
-        MHCTransformerConfig(**{**BASE, **overrides})
+    assert_refused(*REFUSED[case])
 
 
 def test_refusals_name_the_fix():
