@@ -1,4 +1,5 @@
-"""CUDA graphs with mHC layers (GPU only; the config side is in tests/test_config.py).
+"""CUDA graphs with mHC layers (the config side is in tests/test_config.py; the static
+inputs are checked on CPU too, everything else needs a GPU).
 
 Megatron's local per-layer graphs (``cuda_graph_impl="local"``) capture and replay every
 ``HyperConnectionTransformerLayer``: layer 1 on ``[s, b, C]`` (it expands the embeddings),
@@ -23,9 +24,10 @@ from helpers import HAVE_TE, ROOT, child_env, run_child
 
 WITHOUT_TE = ROOT / "tests/gpu_child/without_te.py"
 needs_te_graphs = pytest.mark.skipif(
-    not HAVE_TE, reason="needs Transformer Engine (its graph paths)")
+    not (HAVE_TE and torch.cuda.is_available()),
+    reason="needs Transformer Engine (its graph paths) and a GPU")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 STEPS = 4
 LAYERS = 3
 
@@ -49,6 +51,7 @@ def _run_case(mhc: bool, kind: str, hide_te: bool, dtype: str = "bf16") -> dict:
     return result
 
 
+@needs_gpu
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("mhc", [True, False], ids=["mhc", "baseline"])
 def test_local_graphs_equal_eager(kind, mhc):
@@ -61,6 +64,7 @@ def test_local_graphs_equal_eager(kind, mhc):
         assert g["differing"] == [] and g["max_abs_diff"] == 0.0, (step, g)
 
 
+@needs_gpu
 @needs_te_graphs
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_local_graphs_with_te_installed_differ_from_eager_no_more_than_the_baseline(kind):
@@ -104,6 +108,7 @@ def _pretrain(corpus, flags, hide_te: bool) -> Run:
     return Run(run_child(cmd, child_env(), timeout=600)).ok()
 
 
+@needs_gpu
 @pytest.mark.parametrize("impl", ["local", "full_iteration"])
 def test_pretrain_with_cuda_graphs_equals_eager(corpus, impl):
     """examples/pretrain_gpt_mhc.py (mHC n=4) with ``--cuda-graph-impl``: every loss of the
@@ -120,6 +125,7 @@ def test_pretrain_with_cuda_graphs_equals_eager(corpus, impl):
     assert pick(graphed) == pick(eager)
 
 
+@needs_gpu
 @needs_te_graphs
 def test_pretrain_with_te_cuda_graphs_differs_from_eager_no_more_than_the_baseline(corpus):
     """``--cuda-graph-impl transformer_engine`` with TE's modules (bf16: Megatron's TE graph
@@ -144,3 +150,24 @@ def _eager(corpus, flags, hide_te: bool) -> Run:
     if key not in _EAGER:
         _EAGER[key] = _pretrain(corpus, flags, hide_te=hide_te)
     return _EAGER[key]
+
+
+# ------------------------------------------------------------------ static inputs (CPU too)
+@pytest.mark.usefixtures("megatron_single_rank")
+@pytest.mark.parametrize("n", [1, 4])
+def test_layer_static_inputs_are_the_streams(n):
+    """``get_layer_static_inputs`` (what TE's graph helper captures with): global layer 1
+    takes the embeddings ``[s, b, C]``, every later layer the streams ``[s, b, n*C]``; the
+    other static inputs (the attention mask) are Megatron's, unchanged."""
+    from helpers import build_gpt, tiny_config
+
+    cfg = tiny_config(num_layers=3, num_residual_streams=n)
+    layers = build_gpt(cfg).decoder.layers
+    seq, mbs, c = 16, 2, cfg.hidden_size
+    for layer in layers:
+        static = layer.get_layer_static_inputs(seq, mbs)
+        width = c if layer.layer_number == 1 else n * c
+        assert static["hidden_states"].shape == (seq, mbs, width), layer.layer_number
+        assert static["hidden_states"].requires_grad
+        assert static["hidden_states"].dtype == torch.bfloat16
+        assert static["attention_mask"].shape == (mbs, 1, seq, seq)
