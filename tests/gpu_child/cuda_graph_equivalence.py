@@ -31,6 +31,11 @@ def parse_args():
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--keep-graph-buffers", action="store_true",
+                   help="with TE installed: keep Megatron's graph input/output buffers owned "
+                        "(no TE weak references). A diagnostic: Megatron keeps only buffers "
+                        "saved through Python save_for_backward, not those saved by torch's "
+                        "own ops (e.g. a norm's input)")
     return p.parse_args()
 
 
@@ -109,6 +114,10 @@ def main():
 
     from mhc_megatron.testing.cpu import init_single_process_group
 
+    if args.keep_graph_buffers:
+        from megatron.core.transformer import cuda_graphs
+
+        cuda_graphs.make_weakref = lambda ten, inplace=True: ten
     init_single_process_group()
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
