@@ -3,6 +3,7 @@ recompute hook per block; the block-internal streams are really freed after forw
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -303,3 +304,38 @@ def test_full_recompute_equals_no_recompute(megatron_single_rank, method, layers
     assert plain_counts == [2] * LAYERS
     checkpointed = set(range(LAYERS)) if method == "uniform" else set(range(layers))
     assert full_counts == [4 if i in checkpointed else 2 for i in range(LAYERS)], full_counts
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_recompute_replays_the_aggregate_not_the_projection(megatron_single_rank, monkeypatch,
+                                                             kind):
+    """The replay of pre recomputes ``y`` by the aggregate alone, from the per-token mappings
+    kept in forward: the projection over the streams (and Sinkhorn after it) runs as often with
+    ``mhc_recompute`` as without, while the aggregate runs once more per sublayer whose ``y``
+    is saved (every one here: Megatron's norm saves its input), and gradients stay equal."""
+    from mhc_megatron.kernels import dispatch, reference
+
+    calls = {"project_and_rms": 0, "aggregate": 0}
+    for name in calls:
+        original = getattr(reference, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(reference, name, counted)
+    # REFERENCE_OPS holds the aggregate it was built with: give it the counted one
+    monkeypatch.setattr(dispatch, "REFERENCE_OPS",
+                        dataclasses.replace(dispatch.REFERENCE_OPS, aggregate=reference.aggregate))
+    extra = moe_overrides() if kind == "moe" else {}
+    runs = {}
+    for recompute in (False, True):
+        calls.update(project_and_rms=0, aggregate=0)
+        cfg = tiny_config(num_layers=LAYERS, mhc_recompute=recompute, mhc_recompute_layer_num=2,
+                          **extra)
+        runs[recompute] = (_grads(cfg), dict(calls))
+    (plain, plain_calls), (rec, rec_calls) = runs[False], runs[True]
+    _assert_same(plain, rec)
+    sublayers = 2 * LAYERS
+    assert plain_calls == {"project_and_rms": sublayers, "aggregate": sublayers}, plain_calls
+    assert rec_calls == {"project_and_rms": sublayers, "aggregate": 2 * sublayers}, rec_calls

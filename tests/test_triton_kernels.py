@@ -72,6 +72,21 @@ def test_pre_matches_reference(t, n, c, dtype):
 
 @pytest.mark.parametrize("t,n,c", GPU_SHAPES if CUDA else CPU_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aggregate_replays_pre_bitwise(t, n, c, dtype):
+    """``aggregate(x, h_pre)`` (what mhc_recompute replays) gives pre's ``y`` bit for bit,
+    and the reference aggregate to rounding; it refuses to run where autograd would need it."""
+    x, phi, alpha, bias, _ = _pre_case(t, n, c, dtype, seed=t + n + c)
+    with torch.no_grad():
+        y, h_pre, _, _ = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6)
+        again = triton_mhc.aggregate(x, h_pre)
+    assert again.dtype == dtype and torch.equal(again, y)
+    assert rel_err(again, ref.aggregate(x, h_pre)) < TOL[dtype]
+    with pytest.raises(RuntimeError, match="no backward"):
+        triton_mhc.aggregate(x.detach().requires_grad_(), h_pre)
+
+
+@pytest.mark.parametrize("t,n,c", GPU_SHAPES if CUDA else CPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_combine_matches_reference(t, n, c, dtype, with_bias):
     g = torch.Generator().manual_seed(t * n + c)

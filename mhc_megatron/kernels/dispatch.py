@@ -5,7 +5,9 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 
 * ``pre(x, phi, alpha, bias, iterations, eps) -> (y, h_pre, h_post, h_res)``: the dynamic
   mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
-* ``combine(x, f, f_bias, h_res, h_post) -> x'``: expand-combine.
+* ``combine(x, f, f_bias, h_res, h_post) -> x'``: expand-combine;
+* ``aggregate(x, h_pre) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit (what
+  ``mhc_recompute`` replays in backward instead of the whole of pre).
 
 ``select_ops(backend, x)``: "reference" always runs PyTorch; "triton" runs the fused
 kernels or raises a clear error saying why they cannot run for ``x``; "auto" runs Triton
@@ -39,9 +41,11 @@ class MHCOps:
     name: str
     pre: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     combine: Callable[..., Tensor]
+    aggregate: Callable[..., Tensor]
 
 
-REFERENCE_OPS = MHCOps(name="reference", pre=reference.pre, combine=reference.expand_combine)
+REFERENCE_OPS = MHCOps(name="reference", pre=reference.pre, combine=reference.expand_combine,
+                       aggregate=reference.aggregate)
 
 _announced: set[tuple[str, str]] = set()
 _triton_ops: MHCOps | None = None
@@ -52,7 +56,8 @@ def _load_triton_ops() -> MHCOps:
     if _triton_ops is None:
         from mhc_megatron.kernels import triton_mhc
 
-        _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine)
+        _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
+                             aggregate=triton_mhc.aggregate)
     return _triton_ops
 
 

@@ -442,6 +442,16 @@ def _check(x: torch.Tensor, n: int) -> None:
                          "Fix: use mhc_kernel_backend='reference' (or 'auto') for this dtype.")
 
 
+def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor) -> None:
+    """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for contiguous ``x [T, n, C]``, fp32
+    ``h_pre [T, n]`` (T > 0): the one launch of the aggregate, shared by pre's forward and
+    :func:`aggregate`, so that both give the same bits."""
+    T, n, C = x.shape
+    bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
+    _aggregate_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
+        x, h_pre, y, T, C, N=n, BT=bt, BC=bc, num_warps=warps)
+
+
 class _PreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link):
@@ -470,9 +480,7 @@ class _PreFn(torch.autograd.Function):
             _mappings_fwd[(triton.cdiv(T, TILES.map_tokens),)](
                 part, part_ss, alpha, bias, h_pre, h_post, h_res, ht, rstd, T, K, splits,
                 float(eps), int(iters), N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
-            bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
-            _aggregate_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
-                x, h_pre, y, T, C, N=n, BT=bt, BC=bc, num_warps=warps)
+            _launch_aggregate(x, h_pre, y)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.iters = int(iters)
         ctx.link = link
@@ -579,6 +587,20 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps):
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs
+
+
+def aggregate(x, h_pre):
+    """``y [T, C]`` of :func:`pre` from ``x [T, n, C]`` and pre's ``h_pre [T, n]``, bit for
+    bit (the same kernel launch); no autograd: ``mhc_recompute`` replays it in backward."""
+    T, n, C = x.shape
+    _check(x, n)
+    if torch.is_grad_enabled() and (x.requires_grad or h_pre.requires_grad):
+        raise RuntimeError("triton_mhc.aggregate has no backward: it is the recompute's replay "
+                           "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
+    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    if T > 0:
+        _launch_aggregate(x.contiguous(), h_pre.float().contiguous(), y)
+    return y
 
 
 def combine(x, f, f_bias, h_res, h_post):

@@ -13,7 +13,7 @@ from torch import Tensor
 from mhc_megatron.config import MHCTransformerConfig
 from mhc_megatron.kernels import select_ops
 from mhc_megatron.kernels.reference import num_mapping_coefficients
-from mhc_megatron.recompute.manager import run_recorded
+from mhc_megatron.recompute.manager import record_as, run_recorded
 
 # Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)).
 # ``mhc_init_static_mapping="zero"`` (the default): an all-zero bias (H_pre = 1/2,
@@ -58,9 +58,10 @@ class HyperConnectionModule(MegatronModule):
     ``pre`` computes the mappings and the sublayer input ``y = sum_i H_pre[i] x_i``
     (``[s, b, C]``); ``combine`` returns ``x' = H_res x + H_post^T dropout(f + bias)``
     (``[s, b, n*C]``). The math is in :mod:`mhc_megatron.kernels.reference`; which
-    implementation runs is chosen per call from ``config.mhc_kernel_backend``. Both ops go
-    through :func:`~mhc_megatron.recompute.run_recorded`, so that with ``mhc_recompute``
-    their outputs are recomputed in backward instead of stored.
+    implementation runs is chosen per call from ``config.mhc_kernel_backend``. With
+    ``mhc_recompute`` their large outputs are recomputed in backward instead of stored: the
+    combine's streams (:func:`~mhc_megatron.recompute.run_recorded`) and pre's ``y``, by the
+    aggregate alone from the kept per-token mappings (:func:`~mhc_megatron.recompute.record_as`).
 
     Parameters (``m = 2n + n^2``; layout documented in the reference module):
       * ``phi``   ``[m, n*C]``  projection (an RMSNorm weight, if any, is folded in);
@@ -132,10 +133,13 @@ class HyperConnectionModule(MegatronModule):
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings)."""
         x = self._flat_streams(streams)
-        y, h_pre, h_post, h_res = run_recorded(
-            self._ops(x).pre, x, self.phi, self.alpha, self.bias,
-            self.config.mhc_sinkhorn_iterations, self.config.mhc_rms_eps,
-        )
+        ops = self._ops(x)
+        y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
+                                          self.config.mhc_sinkhorn_iterations,
+                                          self.config.mhc_rms_eps)
+        # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
+        # kept per-token mappings
+        record_as(y, ops.aggregate, x, h_pre)
         return y.view(*streams.shape[:-1], self.hidden_size), StreamMappings(h_pre, h_post, h_res)
 
     def combine(

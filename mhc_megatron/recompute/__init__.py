@@ -1,5 +1,6 @@
 """Cross-layer activation recompute of the mHC ops (``mhc_recompute=True``)."""
 
-from mhc_megatron.recompute.manager import MHCRecomputeManager, manager_for, run_recorded
+from mhc_megatron.recompute.manager import (MHCRecomputeManager, manager_for, record_as,
+                                            run_recorded)
 
-__all__ = ["MHCRecomputeManager", "manager_for", "run_recorded"]
+__all__ = ["MHCRecomputeManager", "manager_for", "record_as", "run_recorded"]

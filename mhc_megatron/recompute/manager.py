@@ -5,14 +5,16 @@ for backward (by the next sublayer's "pre" and "combine"), i.e. ``n`` times a pl
 residual. With ``mhc_recompute=True`` the decoder's layers are grouped into blocks of
 ``config.mhc_recompute_block_size`` layers (``mhc_recompute_layer_num``, default eq. 20 of
 the paper: ``round(sqrt(n L / (n + 2)))``). Inside a block, the outputs of the mHC ops
-(stream expansion in layer 1, the mappings and aggregate of "pre", the expand-combine) are
+(stream expansion in layer 1, the aggregate ``y`` of "pre", the expand-combine) are
 not kept: each tensor that autograd would save and that is (a view of) such an output is
 replaced by a placeholder. The first time backward unpacks a placeholder of a block, one
 hook recomputes the block's mHC ops in forward order (each op's inputs are the block's
 input streams, already-recomputed outputs, and what is kept anyway: sublayer outputs ``f``
 after dropout, parameters) and hands out the recomputed tensors. What stays stored per
 block: its input streams, plus per sublayer the sublayer output ``f`` (which the combine's
-backward needs in any case). The sublayers (attention, MLP/MoE) are not recomputed here;
+backward needs in any case) and pre's per-token mappings (``h_pre``, ``h_post``, ``h_res``:
+``2n + n^2`` fp32 values a token, 1/340 of the streams at n=4, C=4096 in bf16), so that the
+replay of pre is its aggregate alone, not the projection over the streams and Sinkhorn. The sublayers (attention, MLP/MoE) are not recomputed here;
 Megatron's own selective recompute can still run inside them.
 
 Mechanism: ``torch.autograd.graph.saved_tensors_hooks`` around each layer's forward (the
@@ -251,10 +253,18 @@ def run_recorded(fn: Callable, *args: Any, **kwargs: Any):
     """``fn(*args, **kwargs)``; inside a recompute block its outputs are recorded so that the
     tensors autograd saves from them are recomputed in backward instead of kept."""
     out = fn(*args, **kwargs)
+    record_as(out, fn, *args, **kwargs)
+    return out
+
+
+def record_as(outputs, fn: Callable, *args: Any, **kwargs: Any) -> None:
+    """Inside a recompute block: the tensors autograd saves from ``outputs`` (already
+    computed) are recomputed in backward as ``fn(*args, **kwargs)``, which must give the same
+    bits. Lets an op recompute only its large outputs from small ones that are kept (pre: ``y``
+    from ``h_pre`` by the aggregate alone, not the projection and Sinkhorn again)."""
     state = _ACTIVE_BLOCK.get()
     if state is not None and torch.is_grad_enabled():
-        state.record(fn, args, kwargs, out)
-    return out
+        state.record(fn, args, kwargs, outputs)
 
 
 _MANAGERS: dict[int, MHCRecomputeManager] = {}
