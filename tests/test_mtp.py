@@ -101,3 +101,48 @@ def test_mtp_grads_equal_with_and_without_mhc_recompute(megatron_single_rank):
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("config_class", ["mhc", "megatron"])
+def test_megatron_builder_gives_mtp_mhc_layers(megatron_single_rank, config_class):
+    """Megatron's own model builder (the one ``pretrain`` uses), from the config container:
+    with ``MHCGPTModelConfig`` every MTP depth's inner layer is an mHC layer on n streams of
+    its own and the depth's final norm contracts them, exactly the block of
+    ``get_gpt_mtp_block_with_mhc_spec``; Megatron's ``GPTModelConfig`` builds its plain layer
+    there (why ``mhc_gpt_model_config_from_args`` returns the former). The model trains."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelConfig
+
+    from mhc_megatron.layers import HyperConnectionTransformerLayer, StreamContractingNorm
+    from mhc_megatron.training import MHCGPTModelConfig, mhc_block_spec
+
+    setup_cpu_megatron(seed=5)
+    cls = MHCGPTModelConfig if config_class == "mhc" else GPTModelConfig
+    model_cfg = cls(transformer=tiny_config(mtp_num_layers=2, transformer_impl="local"),
+                    transformer_layer_spec=mhc_block_spec,
+                    vocab_size=VOCAB, seq_length=SEQ, position_embedding_type="rope")
+    model = model_cfg.get_builder_cls()(model_cfg).build_model(
+        ProcessGroupCollection.use_mpu_process_groups())
+    assert len(model.mtp.layers) == 2
+    for layer in model.mtp.layers:
+        inner = layer.mtp_model_layer
+        is_mhc = isinstance(inner, HyperConnectionTransformerLayer) and inner.mhc_enabled
+        assert is_mhc == (config_class == "mhc")
+        assert isinstance(layer.final_layernorm, StreamContractingNorm) == is_mhc
+    if config_class != "mhc":
+        return
+    reference = _mtp_gpt(2)  # the same structure built by hand: same parameter names/shapes
+    assert {n: p.shape for n, p in model.named_parameters()} == \
+        {n: p.shape for n, p in reference.named_parameters()}
+    MTPLossLoggingHelper.tracker.clear()  # sized by the depth of the first model that logs
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = batch(seed=9)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = lm_loss(model, data)
+        loss.backward()
+        assert all(p.grad is not None for p in model.mtp.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses

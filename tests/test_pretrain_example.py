@@ -107,7 +107,7 @@ def mhc_run(corpus):
 
 
 def test_baseline_and_mhc_train(corpus, mhc_run):
-    base = pretrain(corpus).ok()
+    base = shared_run(corpus)
     for run in (base, mhc_run):
         assert len(run.train) == 2 * ITERS and len(run.logged) == ITERS and run.valid
         assert run.logged[ITERS] < run.logged[1] - 0.2, run.logged  # it learns
@@ -264,10 +264,17 @@ def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
     assert run.returncode != 0 and "ValueError: mHC config: " in run.out
 
 
-def test_multi_token_prediction_trains(corpus):
-    """``--mtp-num-layers 1`` through Megatron's own loop: the MTP loss is logged and falls.
-    (Megatron's GPT builder makes the MTP inner layer from its own layer spec, so here it is
-    Megatron's plain layer on the contracted output; tests/test_mtp.py covers the mHC one.)"""
+def test_multi_token_prediction_trains(corpus, mhc_run):
+    """``--mtp-num-layers 1`` through Megatron's own loop: the MTP loss is logged and falls,
+    and the MTP depth's inner layer is an mHC layer (``MHCGPTModelConfig``'s builder): the MTP
+    block of the mHC model has exactly the baseline's MTP block's parameters plus two
+    hyper-connection mappings (phi, alpha, bias for attention and MLP)."""
     run = pretrain(corpus, *MHC, "--mtp-num-layers", "1").ok()
     mtp = [float(v) for v in re.findall(r"mtp_1 loss: ([-+0-9.Ee]+)", run.out)]
     assert len(mtp) == ITERS and mtp[-1] < mtp[0] - 0.2, mtp
+    base, base_mtp = shared_run(corpus), pretrain(corpus, "--mtp-num-layers", "1").ok()
+    n, c = 4, int(MODEL[MODEL.index("--hidden-size") + 1])
+    m = 2 * n + n * n
+    mappings = 2 * (m * n * c + 3 + m)
+    assert run.params - mhc_run.params == (base_mtp.params - base.params) + mappings, \
+        (run.params, mhc_run.params, base_mtp.params, base.params)

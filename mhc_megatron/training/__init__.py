@@ -5,8 +5,9 @@ Both of Megatron-Core 0.19's entry styles:
 * argparse: ``args = parse_and_validate_args(extra_args_provider=add_mhc_arguments)``, then
   ``model_cfg = mhc_gpt_model_config_from_args(args)`` and Megatron's own
   ``pretrain_cfg_container_from_args(args, model_cfg)`` / ``pretrain(...)``;
-* config container: ``GPTModelConfig(transformer=MHCTransformerConfig(...),
-  transformer_layer_spec=mhc_block_spec, ...)``.
+* config container: ``MHCGPTModelConfig(transformer=MHCTransformerConfig(...),
+  transformer_layer_spec=mhc_block_spec, ...)`` (Megatron's ``GPTModelConfig`` works too, but
+  its builder gives multi-token prediction Megatron's plain layers).
 
 ``examples/pretrain_gpt_mhc.py`` is a complete pretraining script built on these. With
 ``--mhc-params-dtype fp32`` in a bf16/fp16 run, Megatron-Core 0.19.2's optimisers need
@@ -19,6 +20,7 @@ from mhc_megatron.training.config import (
     mhc_gpt_model_config_from_args,
     mhc_transformer_config_from_args,
 )
+from mhc_megatron.training.model import MHCGPTModelBuilder, MHCGPTModelConfig
 from mhc_megatron.training.fp32_params import (
     fp32_params_in_megatron_training,
     make_fp32_params_checkpointable,
@@ -26,6 +28,8 @@ from mhc_megatron.training.fp32_params import (
 from mhc_megatron.training.spec import mhc_block_spec
 
 __all__ = [
+    "MHCGPTModelBuilder",
+    "MHCGPTModelConfig",
     "add_mhc_arguments",
     "apply_mhc_argument_aliases",
     "fp32_params_in_megatron_training",

@@ -55,11 +55,15 @@ def mhc_transformer_config_from_args(args) -> MHCTransformerConfig:
 
 def mhc_gpt_model_config_from_args(args):
     """Megatron's ``gpt_config_from_args`` with the mHC transformer config and, unless
-    ``--spec`` names another, :func:`~mhc_megatron.training.spec.mhc_block_spec`: a
-    ``GPTModelConfig`` for ``pretrain_cfg_container_from_args(args, model_cfg)``."""
+    ``--spec`` names another, :func:`~mhc_megatron.training.spec.mhc_block_spec`: an
+    ``MHCGPTModelConfig`` (a ``GPTModelConfig`` whose builder gives multi-token prediction mHC
+    layers) for ``pretrain_cfg_container_from_args(args, model_cfg)``."""
     from megatron.training.argument_utils import gpt_config_from_args
 
-    model_cfg = gpt_config_from_args(args, config=mhc_transformer_config_from_args(args))
+    from mhc_megatron.training.model import MHCGPTModelConfig
+
+    model_cfg = gpt_config_from_args(args, config=mhc_transformer_config_from_args(args),
+                                     model_config_cls=MHCGPTModelConfig)
     if getattr(args, "spec", None) is None:
         model_cfg.transformer_layer_spec = mhc_block_spec
     return model_cfg
