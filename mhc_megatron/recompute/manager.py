@@ -14,8 +14,9 @@ after dropout, parameters) and hands out the recomputed tensors. What stays stor
 block: its input streams, plus per sublayer the sublayer output ``f`` (which the combine's
 backward needs in any case) and pre's per-token mappings (``h_pre``, ``h_post``, ``h_res``:
 ``2n + n^2`` fp32 values a token, 1/340 of the streams at n=4, C=4096 in bf16), so that the
-replay of pre is its aggregate alone, not the projection over the streams and Sinkhorn. The sublayers (attention, MLP/MoE) are not recomputed here;
-Megatron's own selective recompute can still run inside them.
+replay of pre is its aggregate alone, not the projection over the streams and Sinkhorn. The
+sublayers (attention, MLP/MoE) are not recomputed here; Megatron's own selective recompute
+can still run inside them.
 
 Mechanism: ``torch.autograd.graph.saved_tensors_hooks`` around each layer's forward (the
 same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved tensors
