@@ -278,3 +278,13 @@ def test_multi_token_prediction_trains(corpus, mhc_run):
     mappings = 2 * (m * n * c + 3 + m)
     assert run.params - mhc_run.params == (base_mtp.params - base.params) + mappings, \
         (run.params, mhc_run.params, base_mtp.params, base.params)
+
+
+def test_multi_token_prediction_with_pipeline_parallel(corpus):
+    """``--mtp-num-layers 1 --pipeline-model-parallel-size 2`` on 2 CPU ranks: the MTP depth
+    sits on the last stage (with its mHC inner layer, ``MHCGPTModelBuilder``) and trains."""
+    run = pretrain(corpus, *MHC, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
+                   nproc=2).ok()
+    mtp = [float(v) for v in re.findall(r"mtp_1 loss: ([-+0-9.Ee]+)", run.out)]
+    assert len(mtp) == ITERS and mtp[-1] < mtp[0] - 0.2, mtp
+    assert len(run.logged) == ITERS and run.logged[ITERS] < run.logged[1] - 0.2, run.logged
