@@ -90,7 +90,7 @@ def r_step1_equal(r) -> bool:
 
 
 # ------------------------------------------------------------ Megatron's own training loop
-from test_pretrain_example import LOCAL, MHC, Run, _example_cmd, corpus  # noqa: E402,F401,F811
+from test_pretrain_example import LOCAL, MHC, corpus, pretrain, shared_run  # noqa: E402,F401,F811
 
 IMPL_FLAGS = {
     # Megatron refuses full-iteration graphs with its NaN check (a host sync); off in both runs
@@ -98,14 +98,6 @@ IMPL_FLAGS = {
     # Megatron's TE graph helper makes bf16 static inputs (GraphableMegatronModule): a bf16 run
     "transformer_engine": ("--bf16",),
 }
-_EAGER: dict = {}
-
-
-def _pretrain(corpus, flags, hide_te: bool) -> Run:
-    """One GPU run of examples/pretrain_gpt_mhc.py (TE hidden: see without_te.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           *([str(WITHOUT_TE)] if hide_te else []), *_example_cmd(corpus, flags, "cuda")]
-    return Run(run_child(cmd, child_env(), timeout=600)).ok()
 
 
 @needs_gpu
@@ -117,8 +109,9 @@ def test_pretrain_with_cuda_graphs_equals_eager(corpus, impl):
     from the graphs with the weights the optimizer updated. Per micro-batch for ``local``;
     for ``full_iteration`` every step's loss as Megatron logs it (its replays run no Python)."""
     flags = (*MHC, *LOCAL, *IMPL_FLAGS.get(impl, ()))
-    eager = _eager(corpus, flags, hide_te=True)
-    graphed = _pretrain(corpus, (*flags, "--cuda-graph-impl", impl), hide_te=True)
+    eager = shared_run(corpus, *flags, device="cuda", wrapper=WITHOUT_TE)
+    graphed = pretrain(corpus, *flags, "--cuda-graph-impl", impl, device="cuda",
+                       wrapper=WITHOUT_TE).ok()
     pick = (lambda run: run.logged) if impl == "full_iteration" else (lambda run: run.train)
     print(f"\n[pretrain cuda graphs {impl}] eager {pick(eager)}\n graph {pick(graphed)}")
     assert len(pick(graphed)) == len(pick(eager)) > 0
@@ -136,20 +129,13 @@ def test_pretrain_with_te_cuda_graphs_differs_from_eager_no_more_than_the_baseli
     gaps = {}
     for name, mhc_flags in (("mhc", MHC), ("baseline", ())):
         flags = (*mhc_flags, *IMPL_FLAGS["transformer_engine"])
-        eager = _eager(corpus, flags, hide_te=False)
-        graphed = _pretrain(corpus, (*flags, "--cuda-graph-impl", "transformer_engine"),
-                            hide_te=False)
+        eager = shared_run(corpus, *flags, device="cuda")
+        graphed = pretrain(corpus, *flags, "--cuda-graph-impl", "transformer_engine",
+                           device="cuda").ok()
         assert len(graphed.train) == len(eager.train) > 0
         gaps[name] = max(abs(g - e) / abs(e) for g, e in zip(graphed.train, eager.train))
         print(f"\n[pretrain TE cuda graphs] {name}: eager {eager.train}\n graph {graphed.train}")
     assert gaps["mhc"] <= max(gaps["baseline"], 1e-6), gaps
-
-
-def _eager(corpus, flags, hide_te: bool) -> Run:
-    key = (corpus, flags, hide_te)
-    if key not in _EAGER:
-        _EAGER[key] = _pretrain(corpus, flags, hide_te=hide_te)
-    return _EAGER[key]
 
 
 # ------------------------------------------------------------------ static inputs (CPU too)

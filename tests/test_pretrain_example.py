@@ -77,9 +77,12 @@ def _example_cmd(corpus, flags, device):
             *BACKEND[device], *SAME_INIT[device], *flags]
 
 
-def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600) -> Run:
+def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600, wrapper=None) -> Run:
+    """A ``torchrun`` of the example; ``wrapper``: a script that runs the example script
+    given as its first argument (e.g. tests/gpu_child/without_te.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *_example_cmd(corpus, flags, device)]
+           f"--nproc-per-node={nproc}", *([str(wrapper)] if wrapper else []),
+           *_example_cmd(corpus, flags, device)]
     return Run(run_child(cmd, child_env(cpu_only=device == "cpu"), timeout))
 
 
@@ -92,11 +95,11 @@ def _close(a, b, rtol):
 _RUNS: dict = {}
 
 
-def shared_run(corpus, *flags, nproc=1, device="cpu") -> Run:
-    """A finished, successful run, computed once per module for the same flags."""
-    key = (corpus, flags, nproc, device)
+def shared_run(corpus, *flags, nproc=1, device="cpu", wrapper=None) -> Run:
+    """A finished, successful run, computed once per session for the same flags."""
+    key = (corpus, flags, nproc, device, wrapper)
     if key not in _RUNS:
-        _RUNS[key] = pretrain(corpus, *flags, nproc=nproc, device=device).ok()
+        _RUNS[key] = pretrain(corpus, *flags, nproc=nproc, device=device, wrapper=wrapper).ok()
     return _RUNS[key]
 
 

@@ -42,8 +42,12 @@ from __future__ import annotations
 from torch import Tensor, autograd, is_grad_enabled
 from torch.autograd.graph import saved_tensors_hooks
 
-# Offload group of a sublayer's input streams, per Megatron offload module that enables it.
-STREAM_OFFLOAD_GROUPS = {"attn_norm": "mhc_attn_streams", "mlp_norm": "mhc_mlp_streams"}
+from mhc_megatron.config import STREAM_OFFLOAD_MODULES
+
+# Offload group of a sublayer's input streams, per Megatron offload module that enables it
+# (the modules the config validates): "attn_norm" -> "mhc_attn_streams", and so on.
+STREAM_OFFLOAD_GROUPS = {m: f"mhc_{m.removesuffix('_norm')}_streams"
+                         for m in STREAM_OFFLOAD_MODULES}
 
 
 def stream_offload_group(config, norm_module: str) -> str | None:
