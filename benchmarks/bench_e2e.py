@@ -40,8 +40,16 @@ such as cudaStreamSynchronize or cudaMalloc, autograd nodes, Python functions su
 ``--graphs`` (GPU) adds ``baseline + graphs`` and ``mHC + graphs``: the same models with
 Megatron's local per-layer CUDA graphs (``cuda_graph_impl="local"``, captured after the first
 step by ``create_cudagraphs()``), which remove the launch and Python work of every layer;
-``mHC + graphs`` is compared with ``baseline + graphs``. Every run then trains through
-Megatron's DDP (the graphs' backward accumulates into its fp32 main grads).
+``mHC + graphs`` is compared with ``baseline + graphs`` (their peak memory reads "-": a
+graph's activations live in pools allocated at capture, outside the measured step). Every run then trains through
+Megatron's DDP (the graphs' backward accumulates into its fp32 main grads), and the MoE config
+of every run becomes drop-and-pad (capacity factor 1.0, inputs padded to capacity: the static
+shapes Megatron's MoE graphs need), so eager and graphed rows compare the same model.
+
+``--isolate`` (implied by ``--graphs``) measures every run in a fresh child process of this
+script, so no memory, CUDA graph or Megatron state of one run reaches the next (Megatron-Core
+0.19.2 keeps an MoE model in its DDP alive after a forward with grad; in one process the MoE
+runs of ``--graphs`` then run out of memory).
 
 ``--smoke`` shrinks every config to a few layers of width 64 (CPU or GPU): a check that the
 script runs, not a measurement.
@@ -51,9 +59,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
+import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -90,11 +101,16 @@ def parse_args(argv=None):
     p.add_argument("--graphs", action="store_true",
                    help="add baseline and mHC with Megatron's local per-layer CUDA graphs; "
                         "every run then trains through Megatron's DDP (fp32 main grads)")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure every run in a fresh child process (on with --graphs): no "
+                        "memory, CUDA graph or Megatron state of one run reaches the next")
+    p.add_argument("--child-run", default=None, help=argparse.SUPPRESS)  # internal: one run
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     for key in ("layers", "hidden", "seq", "mbs"):
         p.add_argument(f"--{key}", type=int, default=None)
     args = p.parse_args(argv)
+    args.isolate = args.isolate or args.graphs
     if args.specs is None:
         import importlib.util
 
@@ -140,6 +156,8 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bo
                    moe_grouped_gemm=spec == "te", moe_aux_loss_coeff=0.0,
                    moe_token_dispatcher_type="alltoall" if torch.cuda.is_available()
                    else "allgather", moe_router_dtype="fp32")
+        if shape.get("drop_pad"):  # static expert shapes: what MoE under CUDA graphs needs
+            moe.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     config = MHCTransformerConfig(
         num_layers=shape["layers"], hidden_size=shape["hidden"],
         num_attention_heads=shape["heads"],
@@ -398,10 +416,46 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
         if math.isfinite(floor_ms) and floor_ms > 0 and base_ms:
             over = f"{(r['ms'] - base_ms) / floor_ms:.2f}"
     return (f"| {cfg_name} | {spec} | {name} | {r['ms']:.1f} | {r['tokens_s']:,.0f} | "
-            f"{r['peak_gib']:.2f} | {rel} | {rel_mhc} | {floor} | {over} |")
+            f"{'-' if graphs else format(r['peak_gib'], '.2f')} | {rel} | {rel_mhc} | {floor} | {over} |")
+
+
+CHILD_RESULT = "CHILD_RESULT "
+
+
+def isolated_run(argv: list, cfg_name: str, spec: str, run: str):
+    """``measure_run`` of one run in a fresh child process (this script with ``--child-run``):
+    Megatron-Core 0.19.2 keeps an MoE model inside its DDP alive after a forward with grad
+    (through its autograd graph: no Python referrer frees it), so in one process every
+    such run's weights and grad buffers stay on the GPU and the next run runs out of memory.
+    Returns ``measure_run``'s result and profile."""
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # a port of its own
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv, "--child-run", json.dumps([cfg_name, spec, run])],
+        env=env, stdout=subprocess.PIPE, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith(CHILD_RESULT)]
+    if proc.returncode or not line:
+        sys.stdout.write(proc.stdout[-3000:])
+        raise RuntimeError(f"run {run!r} ({cfg_name}, {spec}) failed in its child process "
+                           f"(exit {proc.returncode}); its output is above")
+    r, prof = json.loads(line[-1][len(CHILD_RESULT):])
+    return r, prof
+
+
+def run_table(args) -> list:
+    """(name, mhc, recompute, graphs) of the selected runs."""
+    runs = [(*r, False) for r in RUNS if r[0] in {RUN_KEYS[k] for k in args.runs}]
+    if args.graphs and torch.cuda.is_available():
+        runs += [(*r, True) for r in GRAPH_RUNS]
+    return runs
+
+
+def config_shape(cfg_name: str, args) -> dict:
+    return {**shape_of(cfg_name, args), "vocab": args.vocab if not args.smoke else 256,
+            "drop_pad": args.graphs}
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     from megatron.core import parallel_state
 
@@ -412,23 +466,33 @@ def main(argv=None):
     parallel_state.initialize_model_parallel(1, 1)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.child_run:  # one run, its result as a JSON line for the parent
+        cfg_name, spec, run = json.loads(args.child_run)
+        _, mhc, recompute, graphs = next(r for r in run_table(args) if r[0] == run)
+        result = measure_run(config_shape(cfg_name, args), spec, mhc, recompute, device, args,
+                             graphs)
+        print(CHILD_RESULT + json.dumps(result), flush=True)
+        parallel_state.destroy_model_parallel()
+        return
     bw = copy_bandwidth() if device == "cuda" else float("nan")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke only)"
     lines = [f"{name}; torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s (read+write); "
-             f"n={N}, bf16, forward+backward of one micro-batch, median of {args.steps}", "",
+             f"n={N}, bf16, forward+backward of one micro-batch, median of {args.steps}"
+             + ("; --graphs: every run in Megatron's DDP, MoE drop-and-pad" if args.graphs
+                else ""), "",
              "| config | spec | run | step (ms) | tokens/s | peak alloc (GiB) | vs baseline "
              "| vs mHC | mHC byte floor (ms) | overhead / floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     profiles = {}
-    runs = [(*r, False) for r in RUNS if r[0] in {RUN_KEYS[k] for k in args.runs}]
-    if args.graphs and device == "cuda":
-        runs += [(*r, True) for r in GRAPH_RUNS]
     for cfg_name in args.configs:
-        shape = {**shape_of(cfg_name, args), "vocab": args.vocab if not args.smoke else 256}
+        shape = config_shape(cfg_name, args)
         for spec in args.specs:
             ms: dict[str, float] = {}
-            for run, mhc, recompute, graphs in runs:
-                r, prof = measure_run(shape, spec, mhc, recompute, device, args, graphs)
+            for run, mhc, recompute, graphs in run_table(args):
+                if args.isolate:
+                    r, prof = isolated_run(argv, cfg_name, spec, run)
+                else:
+                    r, prof = measure_run(shape, spec, mhc, recompute, device, args, graphs)
                 ms[run] = r["ms"]
                 if prof is not None:
                     profiles.setdefault((cfg_name, spec), {})[run] = prof

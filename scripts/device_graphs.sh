@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One GPU: CUDA graphs with mHC (issue 15). carry [".whl"] (+ TE's build for the TE cases:
 # export PYTHONPATH=/tmp/tebuild/site first). Logs to $OUT.
-#   PHASE=bench   benchmarks/bench_e2e.py --graphs (BENCH_ARGS: more arguments)
+#   PHASE=bench   benchmarks/bench_e2e.py --graphs, a process per config (CONFIGS; BENCH_ARGS: more)
 #   PHASE=child   the equivalence child directly, a few cases (quick look, full output)
 #   PHASE=tests   tests/test_cuda_graphs.py and tests/test_offloading.py (TESTS: other files,
 #                 PYTEST_K: a -k selection)
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 record_env
 if [ "${PHASE:-tests}" = bench ]; then
-  python3 benchmarks/bench_e2e.py --graphs --out "$OUT/bench_graphs.md" ${BENCH_ARGS:-} 2>&1 \
-    | grep -v "DEPRECATED" | tail -30 | tee "$OUT/bench_graphs.log"
+  for cfg in ${CONFIGS:-dense moe}; do  # one process a config: graph pools outlive a run
+    python3 benchmarks/bench_e2e.py --graphs --configs $cfg --out "$OUT/bench_graphs_$cfg.md" \
+      ${BENCH_ARGS:-} 2>&1 | grep -v "DEPRECATED" > "$OUT/bench_graphs_$cfg.log"
+    grep "^|" "$OUT/bench_graphs_$cfg.log" | tail -6; tail -3 "$OUT/bench_graphs_$cfg.log"
+  done
 elif [ "${PHASE:-tests}" = child ]; then
   for case in ${CASES:-"1 dense" "0 dense" "1 moe"}; do
     set -- $case
