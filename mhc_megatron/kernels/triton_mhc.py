@@ -17,8 +17,8 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
-  into an fp32 scratch and walked back; writes the logit gradients for ``dalpha``/``dbias``,
-  ``dP`` and the RMS term) and ``_pre_dx_dphi`` (one more pass over x: ``dx`` and the
+  into an fp32 scratch and walked back; writes per token block the sums of the logit
+  gradients for ``dalpha``/``dbias``, and ``dP`` and the RMS term) and ``_pre_dx_dphi`` (one more pass over x: ``dx`` and the
   ``dphi`` partials together).
 
 x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
@@ -282,10 +282,14 @@ def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT,
 
 @triton.jit
 def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rstd_ptr,
-                  alpha_ptr, bias_ptr, dz_ptr, dp_ptr, coef_ptr, hist_ptr, T, K, iters,
+                  alpha_ptr, bias_ptr, red_ptr, dp_ptr, coef_ptr, hist_ptr, T, K, iters,
                   HAS_DHPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """Per token block: sigmoid and Sinkhorn backward, then dz (logit grads), dP and the
-    RMS coefficient for dx.
+    """Per token block: sigmoid and Sinkhorn backward, then the logit grads dz, dP (its
+    padding columns zeroed) and the RMS coefficient for dx.
+
+    dz is only summed over tokens: this program writes its block's sums to
+    ``red [program, MP]``, columns ``[0, M)`` the bias grads (sum of dz) and ``[M, M+3)``
+    the alpha grads (sum of dz * Ht per pre / post / res group); the caller sums the rows.
 
     The Sinkhorn iterations are replayed once from the logits, each row-normalised state
     ``L_mid`` going to the scratch ``hist [iters, T, N*N]`` (fp32, written and read back
@@ -331,10 +335,18 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
         G = G - tl.exp(L_mid) * tl.expand_dims(tl.sum(G, axis=2), 2)
     dz_res = G
 
-    zrow = dz_ptr + t64 * MP
-    tl.store(zrow[:, None] + i[None, :], dz_pre, mask=tmask[:, None])
-    tl.store(zrow[:, None] + N + i[None, :], dz_post, mask=tmask[:, None])
-    tl.store(zrow[:, None, None] + 2 * N + ij[None, :, :], dz_res, mask=tmask[:, None, None])
+    # masked tokens have dz = 0 (their upstream grads load as 0) and Ht = 0
+    M: tl.constexpr = 2 * N + N * N
+    red = red_ptr + tl.program_id(0).to(tl.int64) * MP
+    tl.store(red + i, tl.sum(dz_pre, axis=0))
+    tl.store(red + N + i, tl.sum(dz_post, axis=0))
+    tl.store(red + 2 * N + ij, tl.sum(dz_res, axis=0))
+    g = tl.arange(0, 4)
+    a_grads = tl.where(g == 0, tl.sum(tl.sum(dz_pre * ht_pre, axis=1), axis=0),
+                       tl.where(g == 1, tl.sum(tl.sum(dz_post * ht_post, axis=1), axis=0),
+                                tl.sum(tl.sum(tl.sum(dz_res * ht_res, axis=2), axis=1),
+                                       axis=0)))
+    tl.store(red + M + g, a_grads, mask=g < 3)
 
     # Ht = P * rstd, rstd = (sum(x^2)/K + eps)^-1/2:
     #   dP = dHt * rstd;  dx += dP @ phi - (sum_m dHt_m Ht_m) * rstd^2 / K * x
@@ -350,6 +362,10 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
     tl.store(prow[:, None] + N + i[None, :], dht_post * rstd[:, None], mask=tmask[:, None])
     tl.store(prow[:, None, None] + 2 * N + ij[None, :, :], dht_res * rstd[:, None, None],
              mask=tmask[:, None, None])
+    if MP > M:  # _pre_dx_dphi reads dP's padding columns: zeros
+        pad = tl.arange(0, MP)
+        tl.store(prow[:, None] + pad[None, :], tl.zeros([BT, MP], dtype=tl.float32),
+                 mask=tmask[:, None] & (pad >= M)[None, :])
 
 
 @triton.jit
@@ -501,15 +517,18 @@ class _PreFn(torch.autograd.Function):
         dh_res = (torch.zeros(T, n, n, device=dev) if dh_res is None
                   else dh_res.float().contiguous())
         dx = torch.empty_like(x)
-        dz = torch.zeros(T, mp, device=dev, dtype=f32)
-        dp = torch.zeros(T, mp, device=dev, dtype=f32)
+        dp = torch.empty(T, mp, device=dev, dtype=f32)  # every column written
         coef = torch.empty(T, device=dev, dtype=f32)
         prec = _dot_precision(x.dtype)
         bt_dx, bc_dx, warps_dx = TILES.dx
         bc_dx = min(bc_dx, max(16, triton.next_power_of_2(C)))
         dx_blocks = n * triton.cdiv(C, bc_dx)
         dx_splits, dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
-        dphi_part = torch.zeros(dx_splits, mp, K, device=dev, dtype=f32)
+        map_programs = max(triton.cdiv(T, TILES.map_tokens), 1)
+        # written in full by the kernels below when T > 0
+        make = torch.empty if T > 0 else torch.zeros
+        dphi_part = make(dx_splits, mp, K, device=dev, dtype=f32)
+        red_part = make(map_programs, mp, device=dev, dtype=f32)
         if T > 0:
             bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
             splits, per = _splits(triton.cdiv(T, bt), C, bc)
@@ -517,9 +536,9 @@ class _PreFn(torch.autograd.Function):
             _dhpre_partial[(triton.cdiv(T, bt), splits)](
                 x, dy, part, T, C, per, N=n, BT=bt, BC=bc, num_warps=warps)
             hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
-            _mappings_bwd[(triton.cdiv(T, TILES.map_tokens),)](
+            _mappings_bwd[(map_programs,)](
                 part, splits, dh_pre.float().contiguous() if dh_pre is not None else dh_post,
-                dh_post, dh_res, ht, rstd, alpha, bias, dz, dp, coef, hist, T, K, ctx.iters,
+                dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, K, ctx.iters,
                 HAS_DHPRE=dh_pre is not None, N=n, MP=mp, BT=TILES.map_tokens, num_warps=4)
             del hist
             _pre_dx_dphi[(dx_blocks, dx_splits)](
@@ -529,9 +548,8 @@ class _PreFn(torch.autograd.Function):
         elif dx_combine is not None:
             dx = dx_combine
         dphi = dphi_part.sum(0)[:m].to(phi.dtype)
-        groups = (slice(0, n), slice(n, 2 * n), slice(2 * n, m))
-        dalpha = torch.stack([(dz[:, g] * ht[:, g]).sum() for g in groups]).to(alpha.dtype)
-        dbias = dz[:, :m].sum(0).to(bias.dtype)
+        red = red_part.sum(0)  # [bias grads (m) | alpha grads (3) | padding]
+        dbias, dalpha = red[:m].to(bias.dtype), red[m:m + 3].to(alpha.dtype)
         return dx, dphi, dalpha, dbias, None, None, None
 
 
