@@ -46,6 +46,11 @@ Megatron's DDP (the graphs' backward accumulates into its fp32 main grads), and 
 of every run becomes drop-and-pad (capacity factor 1.0, inputs padded to capacity: the static
 shapes Megatron's MoE graphs need), so eager and graphed rows compare the same model.
 
+``--interleave ROUNDS`` builds every run's model first and times them in alternating rounds
+(each step time is the median of the rounds' medians, and the rounds' range is listed): on a
+host-bound config (the MoE ones, whose dispatchers sync with the host every layer) the host's
+drift between runs otherwise exceeds the differences being measured.
+
 ``--isolate`` (implied by ``--graphs``) measures every run in a fresh child process of this
 script, so no memory, CUDA graph or Megatron state of one run reaches the next (Megatron-Core
 0.19.2 keeps an MoE model in its DDP alive after a forward with grad; in one process the MoE
@@ -104,6 +109,10 @@ def parse_args(argv=None):
     p.add_argument("--isolate", action="store_true",
                    help="measure every run in a fresh child process (on with --graphs): no "
                         "memory, CUDA graph or Megatron state of one run reaches the next")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="build every run's model first, then time them in ROUNDS alternating "
+                        "rounds of --steps steps (median of the round medians): a host-bound "
+                        "config's drift hits every run alike; not with --graphs / --profile")
     p.add_argument("--child-run", default=None, help=argparse.SUPPRESS)  # internal: one run
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -111,6 +120,9 @@ def parse_args(argv=None):
         p.add_argument(f"--{key}", type=int, default=None)
     args = p.parse_args(argv)
     args.isolate = args.isolate or args.graphs
+    if args.interleave and (args.graphs or args.profile or args.isolate):
+        p.error("--interleave keeps every run's model in one process: not with --graphs, "
+                "--profile or --isolate")
     if args.specs is None:
         import importlib.util
 
@@ -422,6 +434,31 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
 CHILD_RESULT = "CHILD_RESULT "
 
 
+def interleaved_runs(shape: dict, spec: str, runs: list, device, args) -> dict:
+    """``--interleave``: every run's model built, then ``args.interleave`` rounds in which each
+    run in turn is timed (``measure``: median of ``args.steps``). Returns per run ``measure``'s
+    dict with ``ms`` the median of the round medians and ``spread`` their (min, max)."""
+    models = {run: build(shape, spec, mhc, recompute, device)[0]
+              for run, mhc, recompute, _ in runs}
+    steps = {run: make_step(model, shape, spec, device) for run, model in models.items()}
+    rounds: dict[str, list] = {run: [] for run in steps}
+    for k in range(args.interleave):
+        for run, step in steps.items():
+            rounds[run].append(measure(step, shape["mbs"] * shape["seq"], args.steps,
+                                       args.warmup if k == 0 else 1))
+    out = {}
+    for run, rs in rounds.items():
+        ms = statistics.median(r["ms"] for r in rs)
+        out[run] = {"ms": ms, "tokens_s": shape["mbs"] * shape["seq"] / ms * 1e3,
+                    "peak_gib": rs[0]["peak_gib"],
+                    "spread": (min(r["ms"] for r in rs), max(r["ms"] for r in rs))}
+    del models, steps
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def isolated_run(argv: list, cfg_name: str, spec: str, run: str):
     """``measure_run`` of one run in a fresh child process (this script with ``--child-run``):
     Megatron-Core 0.19.2 keeps an MoE model inside its DDP alive after a forward with grad
@@ -484,12 +521,19 @@ def main(argv=None):
              "| vs mHC | mHC byte floor (ms) | overhead / floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     profiles = {}
+    notes: list[str] = []  # --interleave: the spread of each run's round medians
     for cfg_name in args.configs:
         shape = config_shape(cfg_name, args)
         for spec in args.specs:
             ms: dict[str, float] = {}
+            together = (interleaved_runs(shape, spec, run_table(args), device, args)
+                        if args.interleave else {})
             for run, mhc, recompute, graphs in run_table(args):
-                if args.isolate:
+                if together:
+                    r, prof = together[run], None
+                    notes.append(f"{cfg_name}, {spec}, {run}: round medians "
+                                 f"{r['spread'][0]:.1f}-{r['spread'][1]:.1f} ms")
+                elif args.isolate:
                     r, prof = isolated_run(argv, cfg_name, spec, run)
                 else:
                     r, prof = measure_run(shape, spec, mhc, recompute, device, args, graphs)
@@ -498,6 +542,10 @@ def main(argv=None):
                     profiles.setdefault((cfg_name, spec), {})[run] = prof
                 lines.append(result_row(cfg_name, spec, (run, mhc, recompute), r, ms, shape, bw))
                 print(lines[-1], flush=True)
+    if notes:
+        lines += ["", f"--interleave {args.interleave}: each step time above is the median of "
+                  f"{args.interleave} alternating rounds' medians; the rounds ranged:", ""]
+        lines += [f"* {n}" for n in notes]
     for (cfg_name, spec), by_run in profiles.items():
         lines += profile_report(cfg_name, spec, by_run)
     text = "\n".join(lines)

@@ -4,11 +4,16 @@
 #   PHASE=recompute  tests/test_recompute.py on the GPU (Triton kernels; TE cases with TE)
 #   PHASE=bench      benchmarks/bench_e2e.py --profile (dense and MoE; TE and local+SDPA)
 #                    BENCH_ARGS: more arguments, e.g. "--configs moe --steps 20"
+#                    INTERLEAVE=ROUNDS: --interleave instead of --profile (every run's model
+#                    built first, timed in alternating rounds)
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 record_env
 if [ "${PHASE:-bench}" = recompute ]; then
   python3 -m pytest tests/test_recompute.py -q -p no:cacheprovider -rs --durations=5 2>&1 \
     | tail -25 | tee "$OUT/recompute_tests.log"
+elif [ -n "${INTERLEAVE:-}" ]; then  # host-bound configs: runs side by side, alternating rounds
+  python3 benchmarks/bench_e2e.py --interleave "$INTERLEAVE" --out "$OUT/bench_e2e.md" \
+    ${BENCH_ARGS:-} 2>&1 | grep -v "DEPRECATED" | tail -30 | tee "$OUT/bench_e2e.log"
 else
   python3 benchmarks/bench_e2e.py --profile --out "$OUT/bench_e2e.md" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "DEPRECATED" | tail -60 | tee "$OUT/bench_e2e.log"
