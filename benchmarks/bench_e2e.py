@@ -434,6 +434,15 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
 CHILD_RESULT = "CHILD_RESULT "
 
 
+def emit_report(lines: list, out: str | None) -> None:
+    """Print the report's lines and write them to ``out`` (if given)."""
+    text = "\n".join(lines)
+    print("\n" + text)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text + "\n")
+
+
 def interleaved_runs(shape: dict, spec: str, runs: list, device, args) -> dict:
     """``--interleave``: every run's model built, then ``args.interleave`` rounds in which each
     run in turn is timed (``measure``: median of ``args.steps``). Returns per run ``measure``'s
@@ -548,11 +557,7 @@ def main(argv=None):
         lines += [f"* {n}" for n in notes]
     for (cfg_name, spec), by_run in profiles.items():
         lines += profile_report(cfg_name, spec, by_run)
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    emit_report(lines, args.out)
     parallel_state.destroy_model_parallel()
 
 

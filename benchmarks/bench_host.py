@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
-from bench_e2e import _sync, build, make_step  # noqa: E402
+from bench_e2e import _sync, build, emit_report, make_step  # noqa: E402
 
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
@@ -198,11 +198,7 @@ def main(argv=None):
                   "mHC - baseline per sublayer | recompute - mHC per sublayer |",
                   "|---|---|---|---|---|---|"]
         lines += model_rows(args)
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    emit_report(lines, args.out)
     parallel_state.destroy_model_parallel()
 
 

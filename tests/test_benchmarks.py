@@ -1,0 +1,63 @@
+"""The benchmark scripts run on CPU (``--smoke`` sizes) and print complete tables.
+
+Not timings: a check that ``bench_e2e.py``'s ways of running (one process, a child process
+per run, interleaved rounds) and ``bench_host.py``'s op table still work after a change, so a
+GPU session does not find a broken script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*argv: str, env: dict | None = None) -> str:
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith(f"| {first_cell} |")]
+
+
+@pytest.mark.parametrize("mode", [(), ("--isolate",), ("--interleave", "2")],
+                         ids=["one-process", "isolate", "interleave"])
+def test_bench_e2e_smoke_prints_every_run(mode, tmp_path):
+    out = tmp_path / "e2e.md"
+    run_script("benchmarks/bench_e2e.py", "--smoke", "--configs", "dense", "--specs", "local",
+               "--steps", "1", "--warmup", "1", "--out", str(out), *mode)
+    text = out.read_text()
+    rows = table_rows(text, "dense")
+    assert [r[2] for r in rows] == ["baseline", "mHC", "mHC + recompute"]
+    for r in rows:
+        assert float(r[3]) > 0  # step ms
+    assert rows[0][6] == "1.000x" and re.fullmatch(r"\d+\.\d{3}x", rows[2][7])
+    if "--interleave" in mode:
+        assert text.count("round medians") == 3
+
+
+def test_bench_e2e_interleave_refuses_profile():
+    proc = subprocess.run([sys.executable, "benchmarks/bench_e2e.py", "--smoke", "--profile",
+                           "--interleave", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--interleave" in proc.stderr
+
+
+def test_bench_host_op_table_on_the_interpreter(tmp_path):
+    out = tmp_path / "host.md"
+    run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
+               "--no-models", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    rows = {r[0]: r for r in (line.strip("|").split("|") for line in out.read_text().splitlines()
+                              if line.startswith("| pre") or line.startswith("| combine"))}
+    names = [name.strip() for name in rows]
+    assert names == ["pre forward (autograd apply)", "pre backward",
+                     "combine forward (autograd apply)", "combine backward"]
