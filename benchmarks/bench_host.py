@@ -55,26 +55,33 @@ def host_us(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-class Counts:
-    """Kernel launches and tensor allocations of one call (torch profiler)."""
+def launches_and_allocations(fn) -> tuple[int, int]:
+    """Kernel launches and tensor allocations of one call of ``fn`` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    @staticmethod
-    def of(fn) -> tuple[int, int]:
-        from torch.profiler import ProfilerActivity, profile
-
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-        _sync()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        names = [e.name for e in prof.events()]
-        launches = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
-                       for n in names)
-        allocs = sum(n in ("aten::empty", "aten::empty_strided") for n in names)
-        return launches, allocs
+    names = [e.name for e in prof.events()]
+    launches = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx") for n in names)
+    allocs = sum(n in ("aten::empty", "aten::empty_strided") for n in names)
+    return launches, allocs
+
+
+class RecordingCtx(SimpleNamespace):
+    """Stands in for autograd's ctx: keeps what a forward saves, as its backward reads it."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value):
+        pass
 
 
 def op_cases(tokens: int, hidden: int):
-    """(name, callable) of one call of each op and of each backward."""
+    """(name, callable) of one call of each op's forward (through autograd) and of each
+    backward (called directly on this thread with the context its forward filled)."""
     dev, bf16 = DEVICE, torch.bfloat16
     m = 2 * N + N * N
     x = torch.randn(tokens, N, hidden, device=dev, dtype=bf16, requires_grad=True)
@@ -82,24 +89,13 @@ def op_cases(tokens: int, hidden: int):
     alpha = torch.full((3,), 0.1, device=dev, requires_grad=True)
     bias = torch.zeros(m, device=dev, requires_grad=True)
     f = torch.randn(tokens, hidden, device=dev, dtype=bf16, requires_grad=True)
-    y, h_pre, h_post, h_res = triton_mhc._PreFn.apply(x, phi, alpha, bias, ITERS, EPS, None)
-    out = triton_mhc._CombineFn.apply(x, f, None, h_res, h_post, None)
+    pre_ctx, comb_ctx = RecordingCtx(), RecordingCtx(needs_input_grad=(True,) * 6)
+    with torch.no_grad():
+        y, h_pre, h_post, h_res = triton_mhc._PreFn.forward(pre_ctx, x, phi, alpha, bias,
+                                                            ITERS, EPS, None)
+        out = triton_mhc._CombineFn.forward(comb_ctx, x, f, None, h_res, h_post, None)
     dy, dout = torch.randn_like(y), torch.randn_like(out)
     dh_post, dh_res = torch.randn_like(h_post), torch.randn_like(h_res)
-
-    ctx_fwd = SimpleNamespace(save_for_backward=lambda *t: saved.__setitem__(0, t),
-                              set_materialize_grads=lambda v: None, needs_input_grad=(1,) * 6)
-    saved = [None]
-    with torch.no_grad():
-        triton_mhc._PreFn.forward(ctx_fwd, x, phi, alpha, bias, ITERS, EPS, None)
-    saved_pre = saved[0]
-    with torch.no_grad():
-        triton_mhc._CombineFn.forward(ctx_fwd, x, f, None, h_res, h_post, None)
-    saved_comb = saved[0]
-    pre_ctx = SimpleNamespace(saved_tensors=saved_pre, iters=ITERS, link=None)
-    comb_ctx = SimpleNamespace(saved_tensors=saved_comb, link=None,
-                               needs_input_grad=ctx_fwd.needs_input_grad,
-                               mapping_dtypes=(torch.float32, torch.float32))
     return [
         ("pre forward (autograd apply)",
          lambda: triton_mhc._PreFn.apply(x, phi, alpha, bias, ITERS, EPS, None)),
@@ -111,8 +107,9 @@ def op_cases(tokens: int, hidden: int):
 
 
 def model_rows(args) -> list[str]:
-    """Baseline and mHC models built side by side and timed in alternating rounds (a host
-    that other work shares drifts; alternating keeps the two under the same conditions)."""
+    """Baseline, mHC and mHC + recompute models built side by side and timed in alternating
+    rounds (a host that other work shares drifts; alternating keeps them under the same
+    conditions)."""
     rows = []
     for kind in ("dense", "moe"):
         shape = dict(layers=4, hidden=args.hidden, ffn=2 * args.hidden, heads=8,
@@ -176,7 +173,7 @@ def main(argv=None):
         for _ in range(5):
             fn()
         us = host_us(fn, args.iters)
-        launches, allocs = Counts.of(fn)
+        launches, allocs = launches_and_allocations(fn)
         lines.append(f"| {name} | {us:.1f} | {launches} | {allocs} |")
         print(lines[-1], flush=True)
     if args.profile_out:
