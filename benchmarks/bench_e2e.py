@@ -41,10 +41,11 @@ such as cudaStreamSynchronize or cudaMalloc, autograd nodes, Python functions su
 Megatron's local per-layer CUDA graphs (``cuda_graph_impl="local"``, captured after the first
 step by ``create_cudagraphs()``), which remove the launch and Python work of every layer;
 ``mHC + graphs`` is compared with ``baseline + graphs`` (their peak memory reads "-": a
-graph's activations live in pools allocated at capture, outside the measured step). Every run then trains through
-Megatron's DDP (the graphs' backward accumulates into its fp32 main grads), and the MoE config
-of every run becomes drop-and-pad (capacity factor 1.0, inputs padded to capacity: the static
-shapes Megatron's MoE graphs need), so eager and graphed rows compare the same model.
+graph's activations live in pools allocated at capture, outside the measured step). Every
+run then trains through Megatron's DDP (the graphs' backward accumulates into its fp32 main
+grads), and the MoE config of every run becomes drop-and-pad (capacity factor 1.0, inputs
+padded to capacity: the static shapes Megatron's MoE graphs need), so eager and graphed rows
+compare the same model.
 
 ``--interleave ROUNDS`` builds every run's model first and times them in alternating rounds
 (each step time is the median of the rounds' medians, and the rounds' range is listed): on a
@@ -427,8 +428,9 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
         floor = f"{floor_ms:.1f}"
         if math.isfinite(floor_ms) and floor_ms > 0 and base_ms:
             over = f"{(r['ms'] - base_ms) / floor_ms:.2f}"
+    peak = "-" if graphs else f"{r['peak_gib']:.2f}"
     return (f"| {cfg_name} | {spec} | {name} | {r['ms']:.1f} | {r['tokens_s']:,.0f} | "
-            f"{'-' if graphs else format(r['peak_gib'], '.2f')} | {rel} | {rel_mhc} | {floor} | {over} |")
+            f"{peak} | {rel} | {rel_mhc} | {floor} | {over} |")
 
 
 CHILD_RESULT = "CHILD_RESULT "

@@ -8,7 +8,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 record_env
 if [ "${PHASE:-tests}" = bench ]; then
-  for cfg in ${CONFIGS:-dense moe}; do  # one process a config: graph pools outlive a run
+  for cfg in ${CONFIGS:-dense moe}; do  # a table and log per config
     python3 benchmarks/bench_e2e.py --graphs --configs $cfg --out "$OUT/bench_graphs_$cfg.md" \
       ${BENCH_ARGS:-} 2>&1 | grep -v "DEPRECATED" > "$OUT/bench_graphs_$cfg.log"
     grep "^|" "$OUT/bench_graphs_$cfg.log" | tail -6; tail -3 "$OUT/bench_graphs_$cfg.log"

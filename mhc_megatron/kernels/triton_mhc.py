@@ -18,8 +18,8 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
   into an fp32 scratch and walked back; writes per token block the sums of the logit
-  gradients for ``dalpha``/``dbias``, and ``dP`` and the RMS term) and ``_pre_dx_dphi`` (one more pass over x: ``dx`` and the
-  ``dphi`` partials together).
+  gradients for ``dalpha``/``dbias``, and ``dP`` and the RMS term) and ``_pre_dx_dphi``
+  (one more pass over x: ``dx`` and the ``dphi`` partials together).
 
 x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
 combine's dx (written by its backward) is added inside pre's dx kernel, so autograd gets one
