@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
-from bench_e2e import _sync, build, emit_report, make_step  # noqa: E402
+from bench_e2e import RUNS, _sync, emit_report, interleaved_runs  # noqa: E402
 
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
@@ -116,35 +116,17 @@ def model_rows(args) -> list[str]:
                      seq=args.tokens, mbs=1, vocab=1024)
         if kind == "moe":
             shape.update(experts=16, topk=4, ffn=args.hidden // 2, shared=args.hidden)
-        variants = {"baseline": (False, False), "mHC": (True, False),
-                    "mHC + recompute": (True, True)}
-        steps = {}
-        for name, (mhc, recompute) in variants.items():
-            model, _ = build(shape, "local", mhc, recompute, DEVICE)
-            steps[name] = (model, make_step(model, shape, "local", DEVICE))
-            for _ in range(3):
-                steps[name][1]()
-        times = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name in variants:
-                step = steps[name][1]
-                for _ in range(10):
-                    _sync()
-                    t0 = time.perf_counter()
-                    step()
-                    _sync()
-                    times[name].append(1e3 * (time.perf_counter() - t0))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        low = {k: min(v) for k, v in times.items()}
+        # bench_e2e's runs (baseline, mHC, mHC + recompute), built together, alternating rounds
+        res = interleaved_runs(shape, "local", [(*r, False) for r in RUNS], DEVICE,
+                               SimpleNamespace(interleave=args.rounds, steps=10, warmup=3))
+        med = {run: r["ms"] for run, r in res.items()}
         sub = 2 * shape["layers"]
-        cells = " | ".join(f"{med[k]:.2f} ({low[k]:.2f})" for k in variants)
+        cells = " | ".join(f"{r['ms']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})"
+                           for r in res.values())
         rows.append(f"| {kind} | {cells} | "
                     f"{1e3 * (med['mHC'] - med['baseline']) / sub:.0f} | "
                     f"{1e3 * (med['mHC + recompute'] - med['mHC']) / sub:.0f} |")
         print(rows[-1], flush=True)
-        del steps
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -189,8 +171,8 @@ def main(argv=None):
         with open(args.profile_out, "w") as fh:
             fh.write(s.getvalue())
     if not args.no_models:
-        lines += ["", "step, median (min) of the synced step, ms; per sublayer: the median's "
-                  "growth / sublayers, us", "",
+        lines += ["", "step (ms): median of the rounds' medians (the rounds' range); per "
+                  "sublayer: the growth / sublayers, us", "",
                   "| model (4 layers, local specs) | baseline | mHC | mHC + recompute | "
                   "mHC - baseline per sublayer | recompute - mHC per sublayer |",
                   "|---|---|---|---|---|---|"]
