@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import os
 import sys
 import tempfile
 import textwrap
@@ -92,7 +93,7 @@ def main():
     blocks = n * triton.cdiv(C, bc)
     splits, per = tm._splits(blocks, T, bt)
     dphi = torch.zeros(splits, mp, K, device=dev)
-    prec = tm._dot_precision(dt)
+    prec = tm._dot_precision(dt, os.environ.get("MHC_TRITON_DOT_PRECISION"))
     nbytes = 3 * x.numel() * x.element_size() + dy.numel() * dy.element_size()  # x, acc, dx
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}; _pre_dx_dphi at T={T} C={C} n=4 bf16, tiles "

@@ -19,8 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(*argv: str, env: dict | None = None) -> str:
+    """Run a benchmark script in a child process. Not with this process's MASTER_PORT (set
+    when an earlier test started the one-rank process group): the child's group would try
+    to listen on the port this process holds."""
+    base = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
+                          timeout=600, env={**base, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 

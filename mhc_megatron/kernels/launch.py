@@ -1,0 +1,191 @@
+"""Launching the mHC Triton kernels with little host work.
+
+A Triton kernel launched as ``kernel[grid](*args, **meta)`` goes through the JIT launcher on
+every call: it reads the runtime knobs, binds and specialises every argument, builds the
+cache key, looks the compiled kernel up, checks the globals it used and builds launch
+metadata before it calls the C launcher. That is 13-22 us a launch on an H100 host (triton
+3.6, ``benchmarks/probe_host.py``) against 5-9 us for the C launcher itself, and mHC makes
+8 launches a sublayer, forward and backward. :class:`Launcher` keeps, per call site, the
+compiled kernel that Triton's launcher picked for a cheaper key of the same arguments, and
+calls the compiled kernel's launcher directly from then on.
+
+The key is at least as fine as Triton's specialisation (so a cached kernel is always one
+Triton itself would have picked for these arguments): per tensor its dtype and whether its
+address is 16-byte aligned; per int whether it is 1, whether it is divisible by 16 and its
+width (i32 / i64 / u64); floats and None by type; the keyword arguments (constexprs and
+launch options) by value; and the device. Anything else (another argument type, a launch
+hook such as a profiler's, the interpreter, an untested triton version, or
+``MHC_TRITON_FAST_LAUNCH=0``) takes Triton's own launcher, as does the first launch of
+every key (it compiles, or finds the kernel in Triton's cache).
+
+Also here: ``cdiv`` and ``next_pow2`` for host code. ``triton.cdiv`` and
+``triton.next_power_of_2`` are ``constexpr_function``s in triton 3.6: called from Python
+each unwraps its arguments through Triton's constexpr machinery (~3 us a call; the mHC ops
+made ~34 such calls a sublayer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+
+from mhc_megatron._logging import log_rank0
+
+logger = logging.getLogger(__name__)
+
+# Versions whose JIT launcher calls ``kernel.run(grid0, grid1, grid2, stream, function,
+# packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` with every bound
+# argument (constexprs included), as read in their runtime/jit.py.
+_TESTED_TRITON = ((3, 6), (3, 7), (3, 8))
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (host code)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``; host code)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def fast_launch_supported() -> str | None:
+    """Why the direct launch path is off in this process, or None if it is on."""
+    if os.environ.get("MHC_TRITON_FAST_LAUNCH", "1") == "0":
+        return "MHC_TRITON_FAST_LAUNCH=0"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1"
+    try:
+        version = _triton_version()
+    except ValueError:
+        return f"triton {triton.__version__} (version not parsed)"
+    if version not in _TESTED_TRITON:
+        return f"triton {triton.__version__} (tested: {_TESTED_TRITON})"
+    for name in ("_cuda_getCurrentRawStream", "_cuda_getDevice"):
+        if not hasattr(torch._C, name):
+            return f"torch has no torch._C.{name}"
+    return None
+
+
+def _arg_key(a):
+    """The part of the launch key for one positional argument, or ``_UNKEYED``."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    t = type(a)
+    if t is bool:
+        return t, a
+    if t is int:
+        width = 0 if _I32[0] <= a < _I32[1] else 1 if _I64[0] <= a < _I64[1] else 2
+        return width, a == 1, a % 16 == 0
+    if t is float or a is None:
+        return t
+    return _UNKEYED
+
+
+_UNKEYED = object()
+
+
+class Meta:
+    """The keyword arguments of a launch (the kernel's constexprs by name and the launch
+    options, ``num_warps`` ...): fixed per launch plan, so hashed once."""
+
+    __slots__ = ("kwargs", "items", "_hash")
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.items = tuple(kwargs.items())
+        self._hash = hash(self.items)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, Meta) and self.items == other.items
+
+    def __repr__(self):
+        return f"Meta({', '.join(f'{k}={v!r}' for k, v in self.items)})"
+
+
+class Launcher:
+    """``Launcher(jit_fn)(grid, meta, *args)``: launch ``jit_fn`` as ``jit_fn[grid](*args,
+    **meta.kwargs)`` would, through the compiled kernel's own launcher once this launcher has
+    seen the key (see the module docstring). ``args`` are the kernel's leading parameters in
+    order; ``meta`` (a :class:`Meta`) names the rest (constexprs) and the launch options.
+    One ``Launcher`` per kernel, created at import; its cache lives as long as the process."""
+
+    _disabled: str | None | bool = False  # False: not looked up yet
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.param_names = tuple(fn.arg_names) if hasattr(fn, "arg_names") else ()
+        self._cache: dict = {}
+
+    @classmethod
+    def _off_reason(cls) -> str | None:
+        if cls._disabled is False:
+            cls._disabled = fast_launch_supported()
+            if cls._disabled is not None:
+                log_rank0(logger, logging.INFO, "mHC: Triton kernels launch through Triton's "
+                          "own launcher (%s)", cls._disabled)
+        return cls._disabled
+
+    def __call__(self, grid, meta: Meta, *args) -> None:
+        if Launcher._disabled is not None and self._off_reason() is not None:
+            self.fn[grid](*args, **meta.kwargs)
+            return
+        knobs = triton.knobs.runtime
+        if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
+            self.fn[grid](*args, **meta.kwargs)  # a profiler's hooks: Triton's path calls them
+            return
+        device = torch._C._cuda_getDevice()
+        key = (device, meta, *map(_arg_key, args))
+        entry = self._cache.get(key)
+        if entry is None:
+            self._first_launch(key, grid, meta, args)
+            return
+        run, function, packed_metadata, tail = entry
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device), function, packed_metadata, None, None,
+            None, *args, *tail)
+
+    def _first_launch(self, key, grid, meta: Meta, args) -> None:
+        kernel = self.fn[grid](*args, **meta.kwargs)  # compiles if needed, launches
+        if _UNKEYED in key or kernel is None:
+            return
+        if hasattr(kernel, "result"):  # an asynchronous compile's future
+            kernel = kernel.result()
+        tail_names = self.param_names[len(args):]
+        if (not self.param_names or any(n not in meta.kwargs for n in tail_names)
+                or pre_run_hooks(self.fn)):
+            return  # a defaulted parameter or a hook: keep Triton's launcher for this key
+        tail = tuple(meta.kwargs[n] for n in tail_names)
+        self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+
+    def cached_kernels(self) -> int:
+        """How many compiled kernels this launcher calls directly (tests)."""
+        return len(self._cache)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: triton 3.6+ keeps an empty ``HookChain`` by default
+    (which Triton's launcher calls on every launch; ours skips it), a profiler adds to it or
+    replaces it."""
+    return hook is not None and (type(hook) is not _HOOK_CHAIN or bool(hook.calls))
+
+
+_HOOK_CHAIN = getattr(getattr(triton, "knobs", None), "HookChain", None)
+
+
+def pre_run_hooks(fn) -> bool:
+    """Whether ``fn`` has pre-run hooks (Triton's launcher calls them; ours would not)."""
+    return bool(getattr(fn, "pre_run_hooks", ()))

@@ -1,0 +1,159 @@
+"""The fused Triton "combine" op of mHC (expand-combine), forward and backward.
+
+``combine(x [T, n, C], f [T, C], f_bias [C] | None, h_res [T, n, n], h_post [T, n])
+-> x' [T, n, C] = H_res x + H_post (f + f_bias)`` in ``x.dtype``, the math of
+:func:`mhc_megatron.kernels.reference.expand_combine`.
+
+``_combine_fwd`` on a (token x channel) grid; ``_combine_bwd``: ``dx``, ``df``, ``dH_post``,
+``dH_res`` for a token block, looping over C. When ``h_res`` comes from
+:func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``, the backward hands its
+``dx`` to pre's backward instead of returning it (:class:`~mhc_megatron.kernels.handoff.DxLink`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
+from mhc_megatron.kernels.triton_common import TILES, _check, contiguous_f32, plan
+
+
+@triton.jit
+def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    tmask = t < T
+    m2 = tmask[:, None] & (c < C)[None, :]
+    t64 = t.to(tl.int64)
+    K = N * C
+    i = tl.arange(0, N)
+    f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        f += tl.load(fbias_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
+    h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
+    acc = h_post[:, :, None] * f[:, None, :]
+    for j in tl.static_range(N):
+        xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2, other=0.0)
+        h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
+                        mask=tmask[:, None], other=0.0)
+        acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
+    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+
+
+@triton.jit
+def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
+                 dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    K = N * C
+    i = tl.arange(0, N)
+    h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
+    d_post = tl.zeros([BT, N], dtype=tl.float32)
+    d_res = tl.zeros([BT, N, N], dtype=tl.float32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        m2 = tmask[:, None] & (c < C)[None, :]
+        g3 = tl.load(g_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
+                     mask=m2[:, None, :], other=0.0).to(tl.float32)
+        f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            f += tl.load(fbias_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
+        df = tl.sum(g3 * h_post[:, :, None], axis=1)
+        tl.store(df_ptr + t64[:, None] * C + c[None, :], df.to(df_ptr.dtype.element_ty), mask=m2)
+        d_post += tl.sum(g3 * f[:, None, :], axis=2)
+        for j in tl.static_range(N):
+            xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
+            col = tl.sum(g3 * xj[:, None, :], axis=2)  # dH_res[:, :, j] contribution
+            d_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
+            h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
+                            mask=tmask[:, None], other=0.0)
+            dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+            tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
+                     dxj.to(dx_ptr.dtype.element_ty), mask=m2)
+    ij = i[:, None] * N + i[None, :]
+    tl.store(dhpost_ptr + t64[:, None] * N + i[None, :], d_post, mask=tmask[:, None])
+    tl.store(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], d_res,
+             mask=tmask[:, None, None])
+
+
+
+# ------------------------------------------------------------------------------- host side
+_FWD, _BWD = Launcher(_combine_fwd), Launcher(_combine_bwd)
+
+
+class _CombinePlan:
+    """Launch shapes of the combine, forward and backward, for ``x [T, n, C]`` (T > 0)."""
+
+    def __init__(self, T: int, n: int, C: int, has_bias: bool):
+        bt, bc, warps = TILES.combine_fwd
+        bc = min(bc, next_pow2(C))
+        self.fwd_grid = (cdiv(T, bt), cdiv(C, bc))
+        self.fwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, num_warps=warps)
+        bt, bc, warps = TILES.combine_bwd
+        self.bwd_grid = (cdiv(T, bt),)
+        self.bwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=min(bc, next_pow2(C)),
+                             num_warps=warps)
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, f, f_bias, h_res, h_post, link):
+        T, n, C = x.shape
+        _check(x, n)
+        x, f = x.contiguous(), f.contiguous()
+        ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
+        h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
+        out = torch.empty_like(x)
+        if T > 0:
+            p = plan(_CombinePlan, T, n, C, f_bias is not None)
+            _FWD(p.fwd_grid, p.fwd_meta, x, f, f_bias if f_bias is not None else f, h_res,
+                 h_post, out, T, C)
+        ctx.save_for_backward(x, f, f_bias, h_res, h_post)
+        ctx.link = link
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, f, f_bias, h_res, h_post = ctx.saved_tensors
+        T, n, C = x.shape
+        g = g.contiguous()
+        dx = torch.empty_like(x)
+        df = torch.empty_like(f)
+        dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
+        dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
+        if T > 0:
+            p = plan(_CombinePlan, T, n, C, f_bias is not None)
+            _BWD(p.bwd_grid, p.bwd_meta, g, x, f, f_bias if f_bias is not None else f, h_res,
+                 h_post, dx, df, dh_res, dh_post, T, C)
+        dbias = None
+        if f_bias is not None and ctx.needs_input_grad[2]:
+            # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
+            dbias = df.sum(0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
+            dbias = dbias.to(f_bias.dtype)
+        if ctx.link is not None:
+            ctx.link.pending, dx = dx, None  # pre's backward adds it (see DxLink)
+        res_dtype, post_dtype = ctx.mapping_dtypes
+        if res_dtype != torch.float32:
+            dh_res = dh_res.to(res_dtype)
+        if post_dtype != torch.float32:
+            dh_post = dh_post.to(post_dtype)
+        return dx, df, dbias, dh_res, dh_post, None
+
+
+def combine(x, f, f_bias, h_res, h_post):
+    """Fused expand-combine ``H_res x + H_post (f + f_bias)`` -> ``[T, n, C]`` in ``x.dtype``.
+
+    If ``h_res`` comes from :func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``,
+    the two ``dx`` are summed inside pre's backward kernel instead of by autograd (see
+    :class:`~mhc_megatron.kernels.handoff.DxLink`)."""
+    link = getattr(h_res, "_mhc_dx_link", None)
+    if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
+        link = None
+    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link)

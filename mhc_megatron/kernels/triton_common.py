@@ -1,0 +1,150 @@
+"""Shared pieces of the fused Triton mHC kernels: supported inputs, dot precision, tile
+sizes, launch-shape helpers and the ``@triton.jit`` helpers both ops use (the mapping logits
+and the log-domain Sinkhorn). The ops are in :mod:`~mhc_megatron.kernels.triton_pre` and
+:mod:`~mhc_megatron.kernels.triton_combine`; :mod:`~mhc_megatron.kernels.triton_mhc` is the
+overview.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from mhc_megatron.kernels.launch import cdiv, next_pow2
+
+SUPPORTED_STREAMS = (1, 2, 4, 8)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def forced_precision() -> str | None:
+    """``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``), or None."""
+    return os.environ.get("MHC_TRITON_DOT_PRECISION")
+
+
+def _dot_precision(dtype: torch.dtype, forced: str | None = None) -> str:
+    """TF32 products are exact for bf16/fp16 activations (<= 11 mantissa bits; only the fp32
+    operand is rounded); fp32 activations get 3xTF32, close to full fp32 accuracy. ``forced``:
+    :func:`forced_precision`."""
+    return forced or ("tf32" if dtype in (torch.bfloat16, torch.float16) else "tf32x3")
+
+
+def _projection_splits_phi(dtype: torch.dtype, forced: str | None = None) -> bool:
+    """bf16 x: the projection runs on bf16 tensor cores with phi as hi + lo bf16 halves
+    (~16 mantissa bits, more than TF32's 11, and x needs no widening). Not for fp16 (phi's
+    small entries would lose bits in fp16's subnormal range) nor when the precision is
+    forced (``forced``: :func:`forced_precision`)."""
+    return dtype == torch.bfloat16 and forced is None
+
+
+def _padded_m(n: int) -> int:
+    return max(16, next_pow2(2 * n + n * n))
+
+
+# ------------------------------------------------------------------------------ helpers
+@triton.jit
+def _log_normalize(L, AXIS: tl.constexpr):
+    """L - logsumexp(L, AXIS) (fp32)."""
+    mx = tl.expand_dims(tl.max(L, axis=AXIS), AXIS)
+    lse = mx + tl.log(tl.expand_dims(tl.sum(tl.exp(L - mx), axis=AXIS), AXIS))
+    return L - lse
+
+
+@triton.jit
+def _sinkhorn_log(L, iters):
+    """``iters`` row-then-column log-normalisations of ``L [BT, N, N]``."""
+    for _ in range(iters):
+        L = _log_normalize(L, 2)
+        L = _log_normalize(L, 1)
+    return L
+
+
+@triton.jit
+def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP: tl.constexpr):
+    """Load Ht for a token block and return the pre/post/res logits (fp32)."""
+    i = tl.arange(0, N)
+    ij = i[:, None] * N + i[None, :]
+    a_pre = tl.load(alpha_ptr).to(tl.float32)
+    a_post = tl.load(alpha_ptr + 1).to(tl.float32)
+    a_res = tl.load(alpha_ptr + 2).to(tl.float32)
+    row = ht_ptr + t64 * MP
+    ht_pre = tl.load(row[:, None] + i[None, :], mask=tmask[:, None], other=0.0)
+    ht_post = tl.load(row[:, None] + N + i[None, :], mask=tmask[:, None], other=0.0)
+    ht_res = tl.load(row[:, None, None] + 2 * N + ij[None, :, :], mask=tmask[:, None, None],
+                     other=0.0)
+    z_pre = a_pre * ht_pre + tl.load(bias_ptr + i).to(tl.float32)[None, :]
+    z_post = a_post * ht_post + tl.load(bias_ptr + N + i).to(tl.float32)[None, :]
+    z_res = a_res * ht_res + tl.load(bias_ptr + 2 * N + ij).to(tl.float32)[None, :, :]
+    return z_pre, z_post, z_res, ht_pre, ht_post, ht_res, a_pre, a_post, a_res
+
+
+# --------------------------------------------------------------------- tiles, launch shapes
+@dataclass
+class KernelTiles:
+    """Tile sizes and launch shapes; n=4 values from ``benchmarks/tune_tiles.py`` on an H100
+    (M=16384, C=4096, bf16; table in benchmarks/RESULTS.md).
+
+    The projection streams phi once per token block (L2), so blocks of 64 tokens keep phi's
+    traffic below x's; n=8 pads the mapping to 128 columns and needs smaller tiles to fit
+    shared memory. Reductions over K / C / T are split across programs (fp32 partials,
+    summed in a fixed order) so that about ``target_programs`` programs are in flight."""
+
+    proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
+        1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
+    target_programs: int = 512
+    map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
+    sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
+    combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
+    combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
+    dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        PLANS.clear()  # launch plans are derived from the tiles
+
+
+PLANS: dict = {}  # launch plans of the ops by (op, shape, dtype, precision): see plan()
+TILES = KernelTiles()
+
+
+def plan(make, *key):
+    """``make(*key)``, computed once per key until ``TILES`` changes: the ops look their
+    launch shapes (grids, tiles, splits, precisions) up instead of deriving them per call."""
+    entry = PLANS.get((make, *key))
+    if entry is None:
+        entry = PLANS[(make, *key)] = make(*key)
+    return entry
+
+
+def _sweep_bc(n: int, C: int) -> int:
+    """Channels per program of the [tokens, n, channels] sweeps."""
+    return max(16, min(TILES.sweep[1] // n, next_pow2(C)))
+
+
+def _splits(blocks: int, length: int, step: int) -> tuple[int, int]:
+    """(splits, length per split, a multiple of ``step``) for ``blocks * splits`` programs
+    ~ ``TILES.target_programs``."""
+    want = max(1, min(cdiv(TILES.target_programs, max(blocks, 1)), cdiv(length, step)))
+    per = cdiv(cdiv(length, want), step) * step
+    return cdiv(length, per), per
+
+
+def _check(x: torch.Tensor, n: int) -> None:
+    if n not in SUPPORTED_STREAMS:
+        raise ValueError(f"Triton mHC kernels support n in {SUPPORTED_STREAMS}, got n={n}. "
+                         "Fix: use mhc_kernel_backend='reference' (or 'auto') for this n.")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}. "
+                         "Fix: use mhc_kernel_backend='reference' (or 'auto') for this dtype.")
+
+
+
+def contiguous_f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous fp32 (itself when it already is)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()

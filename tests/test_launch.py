@@ -1,0 +1,213 @@
+"""The direct launch path of the Triton kernels (mhc_megatron.kernels.launch).
+
+CPU: the key, the host helpers, when the path is off, and the launcher's logic against a
+stand-in kernel (first launch through Triton's launcher, later ones through the compiled
+kernel's, arguments in order). CUDA: the real kernels give the same bits through either
+path, and an argument that Triton specialises differently (a misaligned tensor) gets its own
+compiled kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+from mhc_megatron.kernels import launch
+from mhc_megatron.kernels.launch import Launcher, Meta, _arg_key, cdiv, next_pow2
+
+CUDA = torch.cuda.is_available()
+
+
+def test_host_helpers_match_triton():
+    for a in range(0, 300):
+        for b in (1, 2, 3, 16, 64, 1000):
+            assert cdiv(a, b) == math.ceil(a / b) == triton.cdiv(a, b)
+    for n in range(1, 5000):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+
+
+def test_key_is_as_fine_as_tritons_specialisation():
+    base = torch.zeros(64, dtype=torch.float32)
+    assert _arg_key(base) == (torch.float32, True)
+    assert _arg_key(base[1:]) == (torch.float32, False)  # 4 bytes off: not 16-byte aligned
+    assert _arg_key(base.to(torch.bfloat16)) != _arg_key(base)
+    keys = {v: _arg_key(v) for v in (0, 1, 2, 16, 17, 32, 2**31 - 16, 2**31, 2**63)}
+    assert keys[1] != keys[2] == keys[17]  # ==1 is its own specialisation; 2 and 17: neither
+    assert keys[16] == keys[32] != keys[17]  # divisible by 16 or not
+    assert keys[2**31 - 16] != keys[2**31] != keys[2**63]  # i32 / i64 / u64
+    assert _arg_key(True) != _arg_key(1)
+    assert _arg_key(1.5) is float and _arg_key(None) is type(None)
+    assert _arg_key([1]) is launch._UNKEYED
+
+
+def test_meta_hashes_by_value():
+    a, b = Meta(N=4, BT=8, num_warps=4), Meta(N=4, BT=8, num_warps=4)
+    assert a == b and hash(a) == hash(b) and a != Meta(N=4, BT=16, num_warps=4)
+    assert {a: 1}[b] == 1
+
+
+@pytest.mark.parametrize("env,value,why", [
+    ("MHC_TRITON_FAST_LAUNCH", "0", "MHC_TRITON_FAST_LAUNCH=0"),
+    ("TRITON_INTERPRET", "1", "TRITON_INTERPRET=1"),
+])
+def test_fast_path_off_reasons(monkeypatch, env, value, why):
+    monkeypatch.delenv("MHC_TRITON_FAST_LAUNCH", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(env, value)
+    assert launch.fast_launch_supported() == why
+
+
+def test_fast_path_off_for_untested_triton(monkeypatch):
+    monkeypatch.delenv("MHC_TRITON_FAST_LAUNCH", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton, "__version__", "9.1.0")
+    assert "triton 9.1.0" in launch.fast_launch_supported()
+
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class _FakeJit:
+    """Stands in for a JITFunction: ``fn[grid](*args, **kw)`` records and returns a kernel."""
+
+    arg_names = ["x_ptr", "T", "N", "BT"]
+    pre_run_hooks = []
+
+    def __init__(self):
+        self.log = []
+        self.compiled = _FakeCompiled(self.log)
+
+    def __getitem__(self, grid):
+        def launch_it(*args, **kw):
+            self.log.append(("triton", grid, args, kw))
+            return self.compiled
+        return launch_it
+
+
+@pytest.fixture
+def fast_path_on(monkeypatch):
+    monkeypatch.setattr(Launcher, "_disabled", None)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 77, raising=False)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+
+
+def test_launcher_first_launch_then_direct(fast_path_on):
+    fn = _FakeJit()
+    run = Launcher(fn)
+    meta = Meta(N=4, BT=8, num_warps=4)
+    x = torch.zeros(32)
+    run((3, 2), meta, x, 64)
+    assert fn.log[-1] == ("triton", (3, 2), (x, 64), {"N": 4, "BT": 8, "num_warps": 4})
+    run((5,), meta, x, 64)
+    kind, args = fn.log[-1]
+    # grid padded to 3 dims, current stream, no launch metadata or hooks, then every
+    # parameter in order: the positional ones and the constexprs named in meta
+    assert kind == "direct" and args == (5, 1, 1, 77, "fn", "meta", None, None, None, x, 64, 4, 8)
+    run((5,), meta, x[1:], 64)  # misaligned: a key of its own, Triton's launcher first
+    assert fn.log[-1][0] == "triton"
+    run((5,), meta, x, 63)  # 63 is not divisible by 16: another key
+    assert fn.log[-1][0] == "triton"
+    run((5,), Meta(N=4, BT=16, num_warps=4), x, 64)  # other constexprs: another key
+    assert fn.log[-1][0] == "triton"
+    assert run.cached_kernels() == 4
+
+
+def test_launcher_keeps_tritons_path_for_hooks_and_defaults(fast_path_on, monkeypatch):
+    fn = _FakeJit()
+    run = Launcher(fn)
+    x = torch.zeros(32)
+    run((1,), Meta(N=4, num_warps=4), x, 64)  # BT left to its default: never cached
+    run((1,), Meta(N=4, num_warps=4), x, 64)
+    assert [e[0] for e in fn.log] == ["triton", "triton"] and run.cached_kernels() == 0
+    meta = Meta(N=4, BT=8)
+    run((1,), meta, x, 64)
+    run((1,), meta, x, 64)
+    assert fn.log[-1][0] == "direct"
+    chain = triton.knobs.HookChain()
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain)
+    run((1,), meta, x, 64)  # triton's default: an empty chain, nothing to call
+    assert fn.log[-1][0] == "direct"
+    chain.add(lambda md: None)  # a profiler's hook: Triton's launcher calls it
+    run((1,), meta, x, 64)
+    assert fn.log[-1][0] == "triton"
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", lambda md: None)
+    chain.calls.clear()
+    run((1,), meta, x, 64)
+    assert fn.log[-1][0] == "triton"
+
+
+def test_launcher_off_delegates(monkeypatch):
+    monkeypatch.setattr(Launcher, "_disabled", "off for this test")
+    fn = _FakeJit()
+    Launcher(fn)((2,), Meta(N=4, BT=8), torch.zeros(4), 3)
+    assert fn.log == [("triton", (2,), (fn.log[0][2][0], 3), {"N": 4, "BT": 8})]
+
+
+def _sublayer(seed, x_offset=0, n=4, c=96, t=37):
+    """pre + combine forward and backward on CUDA: outputs and every gradient."""
+    from mhc_megatron.kernels import triton_mhc
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    m = 2 * n + n * n
+    data = torch.randn(t * n * c, device="cuda", dtype=torch.bfloat16, generator=g)
+    buffer = torch.empty(t * n * c + x_offset, device="cuda", dtype=torch.bfloat16)
+    buffer[x_offset:].copy_(data)
+    x = buffer[x_offset:].view(t, n, c).requires_grad_()
+    phi = (0.02 * torch.randn(m, n * c, device="cuda", generator=g)).requires_grad_()
+    alpha = torch.full((3,), 0.5, device="cuda", requires_grad=True)
+    bias = (0.1 * torch.randn(m, device="cuda", generator=g)).requires_grad_()
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6)
+    out = triton_mhc.combine(x, y * 1.5, None, h_res, h_post)
+    out.float().square().sum().backward()
+    return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, x.grad, phi.grad,
+                                         alpha.grad, bias.grad)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled Triton kernels)")
+def test_direct_launch_equals_tritons_launcher(monkeypatch):
+    from mhc_megatron.kernels import triton_combine, triton_pre
+
+    if launch.fast_launch_supported() is not None:
+        pytest.skip(f"direct launch is off here: {launch.fast_launch_supported()}")
+    monkeypatch.setattr(Launcher, "_disabled", "Triton's launcher for the reference run")
+    want = _sublayer(0)
+    monkeypatch.setattr(Launcher, "_disabled", None)
+    first = _sublayer(0)  # may compile / fill the cache
+    again = _sublayer(0)  # through the compiled kernels' launchers
+    for w, a, b in zip(want, first, again):
+        assert torch.equal(w, a) and torch.equal(w, b)
+    launchers = [v for mod in (triton_pre, triton_combine) for v in vars(mod).values()
+                 if isinstance(v, Launcher)]
+    assert len(launchers) == 9 and all(r.cached_kernels() > 0 for r in launchers)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled Triton kernels)")
+def test_misaligned_input_gets_its_own_kernel(monkeypatch):
+    """A misaligned x is specialised differently by Triton; the direct path must not reuse
+    the aligned kernel for it: its results equal Triton's own launcher's, bit for bit (the
+    two specialisations may differ from each other in the last bit)."""
+    from mhc_megatron.kernels import triton_pre
+
+    if launch.fast_launch_supported() is not None:
+        pytest.skip(f"direct launch is off here: {launch.fast_launch_supported()}")
+    monkeypatch.setattr(Launcher, "_disabled", "Triton's launcher for the reference run")
+    want = _sublayer(1, x_offset=1)  # x's address 2 bytes past a 16-byte boundary
+    monkeypatch.setattr(Launcher, "_disabled", None)
+    aligned = _sublayer(1)
+    _sublayer(1)  # the aligned key cached and used
+    cached = triton_pre._PROJ.cached_kernels()
+    first = _sublayer(1, x_offset=1)
+    assert triton_pre._PROJ.cached_kernels() == cached + 1
+    again = _sublayer(1, x_offset=1)
+    for w, a, b, c in zip(want, first, again, aligned):
+        assert torch.equal(w, a) and torch.equal(w, b)
+        torch.testing.assert_close(c.float(), w.float(), rtol=1e-2, atol=1e-4)
