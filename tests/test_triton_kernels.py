@@ -266,3 +266,41 @@ def test_dx_link_survives_pre_view_being_freed():
         out.backward(up)
         grads.append(base.grad)
     assert rel_err(grads[0], grads[1]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_streams_layout_equals_token_layout(backend):
+    """The ops on the streams as layers carry them (``[s, b, n*C]``, ``n`` given) equal the
+    ops on ``[T, n, C]`` bit for bit, and for Triton the autograd graph has no view nodes:
+    ``y`` and ``x'`` come straight from the ops' backward nodes."""
+    from mhc_megatron.kernels.dispatch import REFERENCE_OPS, _load_triton_ops
+
+    ops = _load_triton_ops() if backend == "triton" else REFERENCE_OPS
+    s, b, n, c = 7, 3, 4, 24
+    x, phi, alpha, bias, _ = _pre_case(s * b, n, c, torch.float32, seed=21)
+    g = torch.Generator().manual_seed(22)
+    w = torch.randn(c, generator=g).to(DEV)
+    up = torch.randn(s, b, n * c, generator=g).to(DEV)
+    results = []
+    for streams_layout in (False, True):
+        xl = (x.reshape(s, b, n * c) if streams_layout else x).detach().clone().requires_grad_()
+        params = [t.detach().clone().requires_grad_() for t in (phi, alpha, bias)]
+        kw = {"n": n} if streams_layout else {}
+        y, h_pre, h_post, h_res = ops.pre(xl, *params, 20, 1e-6, **kw)
+        out = ops.combine(xl, y * w, None, h_res, h_post, **kw)
+        with torch.no_grad():
+            y_again = ops.aggregate(xl.detach(), h_pre.detach(), **kw)
+        if streams_layout:
+            assert y.shape == (s, b, c) and out.shape == (s, b, n * c) == y_again.shape[:2] + (
+                n * c,)
+            if backend == "triton":
+                assert type(y.grad_fn).__name__ == "_PreFnBackward"
+                assert type(out.grad_fn).__name__ == "_CombineFnBackward"
+        out.backward(up if streams_layout else up.view(s * b, n, c))
+        results.append([t.reshape(-1) for t in (y, y_again, out, xl.grad,
+                                                *[p.grad for p in params])])
+    for name, a, bb in zip(("y", "aggregate", "out", "dx", "dphi", "dalpha", "dbias"), *results):
+        if backend == "triton":
+            assert torch.equal(a, bb), name
+        else:  # autograd adds pre's and combine's dx in another order through the reshapes
+            assert rel_err(a, bb) < 1e-6, name

@@ -3,11 +3,15 @@
 A backend is an :class:`MHCOps` with the two operations a hyper-connection module needs,
 on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 
-* ``pre(x, phi, alpha, bias, iterations, eps) -> (y, h_pre, h_post, h_res)``: the dynamic
-  mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
-* ``combine(x, f, f_bias, h_res, h_post) -> x'``: expand-combine;
-* ``aggregate(x, h_pre) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit (what
-  ``mhc_recompute`` replays in backward instead of the whole of pre).
+* ``pre(x, phi, alpha, bias, iterations, eps, n=None) -> (y, h_pre, h_post, h_res)``: the
+  dynamic mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
+* ``combine(x, f, f_bias, h_res, h_post, n=None) -> x'``: expand-combine;
+* ``aggregate(x, h_pre, n=None) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit
+  (what ``mhc_recompute`` replays in backward instead of the whole of pre).
+
+``x`` is ``[T, n, C]`` (``f``, ``y``: ``[T, C]``), or with ``n`` given the streams as the
+layers carry them, ``[..., n*C]`` (``f``, ``y``: ``[..., C]``; the Triton ops take that layout
+as is, so the autograd graph has no reshape nodes around them).
 
 ``select_ops(backend, x)``: "reference" always runs PyTorch; "triton" runs the fused
 kernels or raises a clear error saying why they cannot run for ``x``; "auto" runs Triton
@@ -44,8 +48,28 @@ class MHCOps:
     aggregate: Callable[..., Tensor]
 
 
-REFERENCE_OPS = MHCOps(name="reference", pre=reference.pre, combine=reference.expand_combine,
-                       aggregate=reference.aggregate)
+def _as_tokens(x: Tensor, n: int | None) -> Tensor:
+    return x if n is None else x.reshape(-1, n, x.shape[-1] // n)
+
+
+def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None):
+    y, h_pre, h_post, h_res = reference.pre(_as_tokens(x, n), phi, alpha, bias, iterations, eps)
+    return (y if n is None else y.view(*x.shape[:-1], y.shape[-1])), h_pre, h_post, h_res
+
+
+def _reference_combine(x, f, f_bias, h_res, h_post, n=None):
+    out = reference.expand_combine(_as_tokens(x, n), f if n is None else f.reshape(-1, f.shape[-1]),
+                                   f_bias, h_res, h_post)
+    return out if n is None else out.view(x.shape)
+
+
+def _reference_aggregate(x, h_pre, n=None):
+    y = reference.aggregate(_as_tokens(x, n), h_pre)
+    return y if n is None else y.view(*x.shape[:-1], y.shape[-1])
+
+
+REFERENCE_OPS = MHCOps(name="reference", pre=_reference_pre, combine=_reference_combine,
+                       aggregate=_reference_aggregate)
 
 _announced: set[tuple[str, str]] = set()
 _triton_ops: MHCOps | None = None
@@ -74,8 +98,9 @@ def _triton_limits() -> tuple[tuple[int, ...], tuple] | None:
     return SUPPORTED_STREAMS, SUPPORTED_DTYPES
 
 
-def triton_unsupported_reason(x: Tensor) -> str | None:
-    """Why the fused Triton kernels cannot run on ``x [T, n, C]``, or None if they can."""
+def triton_unsupported_reason(x: Tensor, n: int | None = None) -> str | None:
+    """Why the fused Triton kernels cannot run on ``x [T, n, C]`` (or the streams
+    ``[..., n*C]`` with ``n`` given), or None if they can."""
     limits = _triton_limits()
     if limits is None:
         return "triton is not installed"
@@ -85,22 +110,25 @@ def triton_unsupported_reason(x: Tensor) -> str | None:
     if not x.is_cuda and not (interpret and x.device.type == "cpu"):
         return f"the input is on {x.device.type}; the kernels need a CUDA device " \
                "(or TRITON_INTERPRET=1 on CPU, for testing)"
-    if x.dim() != 3 or x.shape[1] not in streams:
-        return f"n={x.shape[1] if x.dim() == 3 else '?'} streams; supported n: {streams}"
+    if n is None:
+        n = x.shape[1] if x.dim() == 3 else None
+    if n not in streams:
+        return f"n={n if n is not None else '?'} streams; supported n: {streams}"
     if x.dtype not in dtypes:
         return f"dtype {x.dtype}; supported: {dtypes}"
     return None
 
 
-def select_ops(backend: str, x: Tensor) -> MHCOps:
-    """The :class:`MHCOps` that ``backend`` ("auto" | "triton" | "reference") selects for ``x``."""
+def select_ops(backend: str, x: Tensor, n: int | None = None) -> MHCOps:
+    """The :class:`MHCOps` that ``backend`` ("auto" | "triton" | "reference") selects for ``x``
+    (``[T, n, C]``, or the streams ``[..., n*C]`` with ``n`` given)."""
     if backend == "reference":
         return REFERENCE_OPS
     if backend not in ("auto", "triton"):
         raise ValueError(
             f"mhc_kernel_backend={backend!r} is unknown. Fix: use one of {KERNEL_BACKENDS}."
         )
-    reason = triton_unsupported_reason(x)
+    reason = triton_unsupported_reason(x, n)
     if backend == "auto" and not x.is_cuda:
         reason = reason or "'auto' uses Triton on CUDA devices only"
     if reason is not None and backend == "triton":

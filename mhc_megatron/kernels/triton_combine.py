@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
-from mhc_megatron.kernels.triton_common import TILES, _check, contiguous_f32, plan
+from mhc_megatron.kernels.triton_common import TILES, _check, _tokens_view, contiguous_f32, plan
 
 
 @triton.jit
@@ -103,11 +103,14 @@ class _CombinePlan:
 
 
 class _CombineFn(torch.autograd.Function):
+    """``x`` is ``[T, n, C]`` and ``f [T, C]`` (``n_streams`` None), or the streams
+    ``[..., n*C]`` and ``f [..., C]``; the output has ``x``'s shape."""
+
     @staticmethod
-    def forward(ctx, x, f, f_bias, h_res, h_post, link):
-        T, n, C = x.shape
-        _check(x, n)
+    def forward(ctx, x, f, f_bias, h_res, h_post, link, n_streams=None):
         x, f = x.contiguous(), f.contiguous()
+        T, n, C = _tokens_view(x, n_streams).shape
+        _check(x, n)
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
         out = torch.empty_like(x)
@@ -116,13 +119,14 @@ class _CombineFn(torch.autograd.Function):
             _FWD(p.fwd_grid, p.fwd_meta, x, f, f_bias if f_bias is not None else f, h_res,
                  h_post, out, T, C)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
+        ctx.n_streams = n_streams
         ctx.link = link
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
-        T, n, C = x.shape
+        T, n, C = _tokens_view(x, ctx.n_streams).shape
         g = g.contiguous()
         dx = torch.empty_like(x)
         df = torch.empty_like(f)
@@ -135,7 +139,8 @@ class _CombineFn(torch.autograd.Function):
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
-            dbias = df.sum(0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
+            dbias = df.view(-1, C).sum(
+                0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
             dbias = dbias.to(f_bias.dtype)
         if ctx.link is not None:
             ctx.link.pending, dx = dx, None  # pre's backward adds it (see DxLink)
@@ -144,11 +149,13 @@ class _CombineFn(torch.autograd.Function):
             dh_res = dh_res.to(res_dtype)
         if post_dtype != torch.float32:
             dh_post = dh_post.to(post_dtype)
-        return dx, df, dbias, dh_res, dh_post, None
+        return dx, df, dbias, dh_res, dh_post, None, None
 
 
-def combine(x, f, f_bias, h_res, h_post):
-    """Fused expand-combine ``H_res x + H_post (f + f_bias)`` -> ``[T, n, C]`` in ``x.dtype``.
+def combine(x, f, f_bias, h_res, h_post, n=None):
+    """Fused expand-combine ``H_res x + H_post (f + f_bias)`` in ``x.dtype``: ``x [T, n, C]``,
+    ``f [T, C]``, or with ``n`` given the streams ``x [..., n*C]`` and ``f [..., C]`` (no
+    reshape outside the op, so no view nodes in the autograd graph); ``x``'s shape out.
 
     If ``h_res`` comes from :func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``,
     the two ``dx`` are summed inside pre's backward kernel instead of by autograd (see
@@ -156,4 +163,4 @@ def combine(x, f, f_bias, h_res, h_post):
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
         link = None
-    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link)
+    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link, n)

@@ -42,6 +42,8 @@ from mhc_megatron.kernels.triton_common import (
     _sinkhorn_log,
     _splits,
     _sweep_bc,
+    _tokens_view,
+    _y_shape,
     contiguous_f32,
     forced_precision,
     plan,
@@ -392,15 +394,19 @@ def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor) -> 
 
 
 class _PreFn(torch.autograd.Function):
+    """``x`` is ``[T, n, C]`` (``n_streams`` None) or the streams ``[..., n*C]``; ``y`` is
+    ``[T, C]`` or ``[..., C]`` accordingly, the mappings are per token."""
+
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps, link):
-        T, n, C = x.shape
-        _check(x, n)
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None):
         x = x.contiguous()
+        x3 = _tokens_view(x, n_streams)
+        T, n, C = x3.shape
+        _check(x3, n)
         phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
         dev, f32 = x.device, torch.float32
         mp = _padded_m(n)
-        y = torch.empty(T, C, device=dev, dtype=x.dtype)
+        y = torch.empty(_y_shape(x, n_streams, T, C), device=dev, dtype=x.dtype)
         h_pre = torch.empty(T, n, device=dev, dtype=f32)
         h_post = torch.empty(T, n, device=dev, dtype=f32)
         h_res = torch.empty(T, n, n, device=dev, dtype=f32)
@@ -416,6 +422,7 @@ class _PreFn(torch.autograd.Function):
             _AGG(p.aggregate.grid, p.aggregate.meta, x, h_pre, y, T, C)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.iters = int(iters)
+        ctx.n_streams = n_streams
         ctx.link = link
         ctx.set_materialize_grads(False)  # unused outputs get None: their work is skipped
         return y, h_pre, h_post, h_res
@@ -423,7 +430,7 @@ class _PreFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh_pre, dh_post, dh_res):
         x, phi, alpha, bias, ht, rstd, h_pre = ctx.saved_tensors
-        T, n, C = x.shape
+        T, n, C = _tokens_view(x, ctx.n_streams).shape
         dev, f32 = x.device, torch.float32
         dx_combine = None
         if ctx.link is not None:
@@ -435,8 +442,9 @@ class _PreFn(torch.autograd.Function):
         dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
             dx = dx_combine if dx_combine is not None else torch.zeros_like(x)
-            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None
-        dy = torch.zeros(T, C, device=dev, dtype=x.dtype) if dy is None else dy.contiguous()
+            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None
+        dy = (torch.zeros(_y_shape(x, ctx.n_streams, T, C), device=dev, dtype=x.dtype)
+              if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
         dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
         dx = torch.empty_like(x)
@@ -455,27 +463,32 @@ class _PreFn(torch.autograd.Function):
                  dx_combine if dx_combine is not None else x, dx, dphi_part, T, C, p.dx_per)
         _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
                      p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
-        return dx, dphi, dalpha, dbias, None, None, None
+        return dx, dphi, dalpha, dbias, None, None, None, None
 
 
-def pre(x, phi, alpha, bias, sinkhorn_iterations, eps):
-    """Fused mappings + aggregate: ``(y [T,C], h_pre [T,n], h_post [T,n], h_res [T,n,n])``."""
+def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None):
+    """Fused mappings + aggregate: ``(y, h_pre [T,n], h_post [T,n], h_res [T,n,n])`` for
+    ``x [T, n, C]`` (``y [T, C]``) or, with ``n`` given, for the streams ``x [..., n*C]``
+    (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph)."""
     link = DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link)
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs
 
 
-def aggregate(x, h_pre):
-    """``y [T, C]`` of :func:`pre` from ``x [T, n, C]`` and pre's ``h_pre [T, n]``, bit for
-    bit (the same kernel launch); no autograd: ``mhc_recompute`` replays it in backward."""
-    T, n, C = x.shape
-    _check(x, n)
+def aggregate(x, h_pre, n=None):
+    """``y`` of :func:`pre` from ``x`` (``[T, n, C]``, or ``[..., n*C]`` with ``n``) and pre's
+    ``h_pre [T, n]``, bit for bit (the same kernel launch); no autograd: ``mhc_recompute``
+    replays it in backward."""
+    x = x.contiguous()
+    x3 = _tokens_view(x, n)
+    T, n_streams, C = x3.shape
+    _check(x3, n_streams)
     if torch.is_grad_enabled() and (x.requires_grad or h_pre.requires_grad):
         raise RuntimeError("triton_mhc.aggregate has no backward: it is the recompute's replay "
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
-    y = torch.empty(T, C, device=x.device, dtype=x.dtype)
+    y = torch.empty(_y_shape(x, n, T, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        _launch_aggregate(x.contiguous(), contiguous_f32(h_pre), y)
+        _launch_aggregate(x3, contiguous_f32(h_pre), y)
     return y

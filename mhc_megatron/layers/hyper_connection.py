@@ -116,7 +116,7 @@ class HyperConnectionModule(MegatronModule):
                             MHCTransformerConfig.mhc_init_static_mapping),
             getattr(self.config, "mhc_init_res_diagonal", _INIT_H_RES_DIAGONAL)))
 
-    def _flat_streams(self, streams: Tensor) -> Tensor:
+    def _check_streams(self, streams: Tensor) -> None:
         expected = self.n * self.hidden_size
         if streams.dim() != 3 or streams.shape[-1] != expected:
             raise ValueError(
@@ -125,22 +125,24 @@ class HyperConnectionModule(MegatronModule):
                 "Fix: build the model with mhc_megatron's decoder block spec (its first layer "
                 "expands [s, b, C] into n streams and its final norm contracts them)."
             )
-        return streams.reshape(-1, self.n, self.hidden_size)
 
-    def _ops(self, x: Tensor):
-        return select_ops(self.config.mhc_kernel_backend, x)
+    def _ops(self, streams: Tensor):
+        return select_ops(self.config.mhc_kernel_backend, streams, self.n)
 
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
-        """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings)."""
-        x = self._flat_streams(streams)
-        ops = self._ops(x)
-        y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
+        """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings).
+
+        The ops take the streams in this layout (``n`` given): no reshape of the streams, and
+        so no view node, in the autograd graph."""
+        self._check_streams(streams)
+        ops = self._ops(streams)
+        y, h_pre, h_post, h_res = ops.pre(streams, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps)
+                                          self.config.mhc_rms_eps, n=self.n)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
         # kept per-token mappings
-        record_as(y, ops.aggregate, x, h_pre)
-        return y.view(*streams.shape[:-1], self.hidden_size), StreamMappings(h_pre, h_post, h_res)
+        record_as(y, ops.aggregate, streams, h_pre, n=self.n)
+        return y, StreamMappings(h_pre, h_post, h_res)
 
     def combine(
         self,
@@ -155,7 +157,7 @@ class HyperConnectionModule(MegatronModule):
         ``output_with_bias`` is what Megatron's sublayers return: ``(f, bias or None)``.
         """
         f, f_bias = output_with_bias
-        x = self._flat_streams(streams)
+        self._check_streams(streams)
         if f.shape[:-1] != streams.shape[:-1] or f.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"sublayer output {tuple(f.shape)} does not match the streams "
@@ -166,8 +168,5 @@ class HyperConnectionModule(MegatronModule):
         if training and dropout_prob > 0.0:
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
-        out = run_recorded(
-            self._ops(x).combine,
-            x, f.reshape(-1, self.hidden_size), f_bias, mappings.h_res, mappings.h_post,
-        )
-        return out.view(streams.shape)
+        return run_recorded(self._ops(streams).combine, streams, f, f_bias, mappings.h_res,
+                            mappings.h_post, n=self.n)
