@@ -211,3 +211,22 @@ def test_misaligned_input_gets_its_own_kernel(monkeypatch):
     for w, a, b, c in zip(want, first, again, aligned):
         assert torch.equal(w, a) and torch.equal(w, b)
         torch.testing.assert_close(c.float(), w.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_launch_plans_are_cached_and_follow_the_tiles():
+    """Launch shapes are computed once per shape; setting a ``TILES`` field (the tuner does)
+    drops them, so the next call uses the new tiles."""
+    from mhc_megatron.kernels import triton_common
+    from mhc_megatron.kernels.triton_pre import _AggregatePlan
+
+    first = triton_common.plan(_AggregatePlan, 64, 4, 1024)
+    assert triton_common.plan(_AggregatePlan, 64, 4, 1024) is first
+    old = triton_common.TILES.sweep
+    try:
+        triton_common.TILES.sweep = (16, 512, 4)
+        again = triton_common.plan(_AggregatePlan, 64, 4, 1024)
+        assert again is not first and again.meta.kwargs["BT"] == 16
+        assert again.grid == (cdiv(64, 16), cdiv(1024, 128))
+    finally:
+        triton_common.TILES.sweep = old
+    assert triton_common.plan(_AggregatePlan, 64, 4, 1024).meta == first.meta

@@ -83,7 +83,6 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
              mask=tmask[:, None, None])
 
 
-
 # ------------------------------------------------------------------------------- host side
 _FWD, _BWD = Launcher(_combine_fwd), Launcher(_combine_bwd)
 

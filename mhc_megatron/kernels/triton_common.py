@@ -142,7 +142,6 @@ def _check(x: torch.Tensor, n: int) -> None:
                          "Fix: use mhc_kernel_backend='reference' (or 'auto') for this dtype.")
 
 
-
 def contiguous_f32(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous fp32 (itself when it already is)."""
     if t.dtype != torch.float32:

@@ -140,7 +140,6 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
     tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
-
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT,
@@ -293,7 +292,6 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
              mask=cmask[None, :])
-
 
 
 @triton.jit
@@ -455,9 +453,9 @@ class _PreFn(torch.autograd.Function):
         part = torch.empty(p.dh_splits, T, n, device=dev, dtype=f32)
         _DHPRE(p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
         hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
-        _MAPS_BWD((p.map_programs,), p.map_meta, part, p.dh_splits,
-                  contiguous_f32(dh_pre) if dh_pre is not None else dh_post, dh_post, dh_res, ht, rstd,
-                  alpha, bias, red_part, dp, coef, hist, T, p.K, ctx.iters)
+        dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
+        _MAPS_BWD((p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre, dh_post, dh_res, ht,
+                  rstd, alpha, bias, red_part, dp, coef, hist, T, p.K, ctx.iters)
         del hist
         _DX_DPHI(p.dx_grid, p.dx_meta, x, dy, h_pre, dp, coef, phi,
                  dx_combine if dx_combine is not None else x, dx, dphi_part, T, C, p.dx_per)
