@@ -230,3 +230,18 @@ def test_launch_plans_are_cached_and_follow_the_tiles():
     finally:
         triton_common.TILES.sweep = old
     assert triton_common.plan(_AggregatePlan, 64, 4, 1024).meta == first.meta
+
+
+def test_launcher_leaves_tracing_to_tritons_launch_form(fast_path_on, monkeypatch):
+    """Under torch.compile's tracing the launch keeps Triton's ``kernel[grid](...)`` form,
+    which dynamo understands."""
+    fn = _FakeJit()
+    run = Launcher(fn)
+    meta, x = Meta(N=4, BT=8), torch.zeros(32)
+    run((1,), meta, x, 64)
+    monkeypatch.setattr(launch, "_compiling", lambda: True)
+    run((1,), meta, x, 64)
+    assert [e[0] for e in fn.log] == ["triton", "triton"]
+    monkeypatch.setattr(launch, "_compiling", lambda: False)
+    run((1,), meta, x, 64)
+    assert fn.log[-1][0] == "direct"

@@ -14,9 +14,9 @@ Triton itself would have picked for these arguments): per tensor its dtype and w
 address is 16-byte aligned; per int whether it is 1, whether it is divisible by 16 and its
 width (i32 / i64 / u64); floats and None by type; the keyword arguments (constexprs and
 launch options) by value; and the device. Anything else (another argument type, a launch
-hook such as a profiler's, the interpreter, an untested triton version, or
-``MHC_TRITON_FAST_LAUNCH=0``) takes Triton's own launcher, as does the first launch of
-every key (it compiles, or finds the kernel in Triton's cache).
+hook such as a profiler's, the interpreter, an untested triton version, tracing by
+``torch.compile``, or ``MHC_TRITON_FAST_LAUNCH=0``) takes Triton's own launcher, as does the
+first launch of every key (it compiles, or finds the kernel in Triton's cache).
 
 Also here: ``cdiv`` and ``next_pow2`` for host code. ``triton.cdiv`` and
 ``triton.next_power_of_2`` are ``constexpr_function``s in triton 3.6: called from Python
@@ -140,8 +140,8 @@ class Launcher:
         return cls._disabled
 
     def __call__(self, grid, meta: Meta, *args) -> None:
-        if Launcher._disabled is not None and self._off_reason() is not None:
-            self.fn[grid](*args, **meta.kwargs)
+        if (Launcher._disabled is not None and self._off_reason() is not None) or _compiling():
+            self.fn[grid](*args, **meta.kwargs)  # (torch.compile traces Triton's launch form)
             return
         knobs = triton.knobs.runtime
         if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
@@ -174,6 +174,9 @@ class Launcher:
     def cached_kernels(self) -> int:
         """How many compiled kernels this launcher calls directly (tests)."""
         return len(self._cache)
+
+
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _hooked(hook) -> bool:
