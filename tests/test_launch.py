@@ -245,3 +245,32 @@ def test_launcher_leaves_tracing_to_tritons_launch_form(fast_path_on, monkeypatc
     monkeypatch.setattr(launch, "_compiling", lambda: False)
     run((1,), meta, x, 64)
     assert fn.log[-1][0] == "direct"
+
+
+def test_kernel_launches_per_sublayer(monkeypatch):
+    """The host cost of a sublayer scales with its launches: pre forward 3 (projection,
+    mappings, aggregate), combine forward 1, combine backward 1, pre backward 4 (dH_pre,
+    mappings, dx + dphi, the parameter-gradient sums), all through ``Launcher``."""
+    from mhc_megatron.kernels import triton_mhc
+
+    calls = []
+    original = Launcher.__call__
+
+    def counted(self, grid, meta, *args):
+        calls.append(self.fn.__name__ if hasattr(self.fn, "__name__") else repr(self.fn))
+        return original(self, grid, meta, *args)
+
+    monkeypatch.setattr(Launcher, "__call__", counted)
+    dev = "cuda" if CUDA else "cpu"
+    n, c = 4, 16
+    m = 2 * n + n * n
+    x = torch.randn(3, 3, n * c, device=dev).requires_grad_()  # streams [s, b, n*C]
+    phi = (0.05 * torch.randn(m, n * c, device=dev)).requires_grad_()
+    alpha = torch.full((3,), 0.5, device=dev, requires_grad=True)
+    bias = torch.zeros(m, device=dev, requires_grad=True)
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+    assert len(calls) == 3
+    out = triton_mhc.combine(x, y * 2.0, None, h_res, h_post, n=n)
+    assert len(calls) == 4
+    out.square().sum().backward()
+    assert len(calls) == 9, calls
