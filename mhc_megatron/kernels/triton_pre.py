@@ -353,7 +353,6 @@ class _PreForwardPlan:
                               INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
         self.map_grid = (cdiv(T, TILES.map_tokens),)
         self.map_meta = Meta(N=n, MP=self.mp, BT=TILES.map_tokens, num_warps=4)
-        self.aggregate = plan(_AggregatePlan, T, n, C)
 
 
 class _PreBackwardPlan:
@@ -417,7 +416,7 @@ class _PreFn(torch.autograd.Function):
             _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, p.per)
             _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
                       ht, rstd, T, p.K, p.splits, float(eps), int(iters))
-            _AGG(p.aggregate.grid, p.aggregate.meta, x, h_pre, y, T, C)
+            _launch_aggregate(x3, h_pre, y)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
