@@ -27,23 +27,17 @@ import torch
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
 from bench_e2e import _sync, build, emit_report, make_step  # noqa: E402
+from bench_host import host_us, op_cases  # noqa: E402
 
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
 
 def per_call_us(fn, iters=2000) -> float:
+    """``bench_host.host_us`` after 20 warm-up calls."""
     for _ in range(20):
         fn()
     _sync()
-    times = []
-    for k in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e6 * (time.perf_counter() - t0))
-        if k % 256 == 255:
-            _sync()
-    _sync()
-    return statistics.median(times)
+    return host_us(fn, iters)
 
 
 def launch_rows() -> list[str]:
@@ -93,9 +87,6 @@ def launch_rows() -> list[str]:
         th.start()
         th.join()
         return res[0]
-
-    sys.path.insert(0, "benchmarks")
-    from bench_host import op_cases
 
     for name, fn in cases + op_cases(64, 1024):
         rows.append(f"| {name} | {per_call_us(fn):.1f} | {on_thread(fn):.1f} |")

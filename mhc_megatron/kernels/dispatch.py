@@ -48,23 +48,20 @@ class MHCOps:
     aggregate: Callable[..., Tensor]
 
 
-def _as_tokens(x: Tensor, n: int | None) -> Tensor:
-    return x if n is None else x.reshape(-1, n, x.shape[-1] // n)
-
-
 def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None):
-    y, h_pre, h_post, h_res = reference.pre(_as_tokens(x, n), phi, alpha, bias, iterations, eps)
+    y, h_pre, h_post, h_res = reference.pre(reference.as_tokens(x, n), phi, alpha, bias,
+                                            iterations, eps)
     return (y if n is None else y.view(*x.shape[:-1], y.shape[-1])), h_pre, h_post, h_res
 
 
 def _reference_combine(x, f, f_bias, h_res, h_post, n=None):
-    out = reference.expand_combine(_as_tokens(x, n), f if n is None else f.reshape(-1, f.shape[-1]),
-                                   f_bias, h_res, h_post)
+    f_tokens = f if n is None else f.reshape(-1, f.shape[-1])
+    out = reference.expand_combine(reference.as_tokens(x, n), f_tokens, f_bias, h_res, h_post)
     return out if n is None else out.view(x.shape)
 
 
 def _reference_aggregate(x, h_pre, n=None):
-    y = reference.aggregate(_as_tokens(x, n), h_pre)
+    y = reference.aggregate(reference.as_tokens(x, n), h_pre)
     return y if n is None else y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -35,6 +35,13 @@ def _acc(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def as_tokens(x: Tensor, n: int | None) -> Tensor:
+    """``x`` as ``[T, n, C]``: itself when ``n`` is None (already so), else the streams
+    ``[..., n*C]`` reshaped (a view when they are contiguous; the fused ops take it inside
+    their autograd functions, so the graph gets no view node)."""
+    return x if n is None else x.reshape(-1, n, x.shape[-1] // n)
+
+
 def num_mapping_coefficients(n: int) -> int:
     """m = 2n + n^2: n pre, n post and n*n residual-mixing coefficients per token."""
     return 2 * n + n * n

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
-from mhc_megatron.kernels.triton_common import TILES, _check, _tokens_view, contiguous_f32, plan
+from mhc_megatron.kernels.reference import as_tokens
+from mhc_megatron.kernels.triton_common import TILES, _check, contiguous_f32, plan
 
 
 @triton.jit
@@ -108,7 +109,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, f, f_bias, h_res, h_post, link, n_streams=None):
         x, f = x.contiguous(), f.contiguous()
-        T, n, C = _tokens_view(x, n_streams).shape
+        T, n, C = as_tokens(x, n_streams).shape
         _check(x, n)
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
@@ -125,7 +126,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
-        T, n, C = _tokens_view(x, ctx.n_streams).shape
+        T, n, C = as_tokens(x, ctx.n_streams).shape
         g = g.contiguous()
         dx = torch.empty_like(x)
         df = torch.empty_like(f)

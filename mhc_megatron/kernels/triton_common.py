@@ -149,12 +149,7 @@ def contiguous_f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _tokens_view(x: torch.Tensor, n: int | None) -> torch.Tensor:
-    """``x`` as ``[T, n, C]``: itself when ``n`` is None (already so), else the view of the
-    streams ``[..., n*C]`` (taken inside an autograd function: no view node in the graph)."""
-    return x if n is None else x.view(-1, n, x.shape[-1] // n)
-
-
 def _y_shape(x: torch.Tensor, n: int | None, T: int, C: int) -> tuple:
-    """The shape of the aggregate ``y`` for ``x`` (see :func:`_tokens_view`)."""
+    """The shape of the aggregate ``y`` for ``x`` (``n``: see
+    :func:`~mhc_megatron.kernels.reference.as_tokens`)."""
     return (T, C) if n is None else (*x.shape[:-1], C)

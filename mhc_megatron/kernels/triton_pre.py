@@ -30,6 +30,7 @@ import triton.language as tl
 
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
+from mhc_megatron.kernels.reference import as_tokens
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
@@ -42,7 +43,6 @@ from mhc_megatron.kernels.triton_common import (
     _sinkhorn_log,
     _splits,
     _sweep_bc,
-    _tokens_view,
     _y_shape,
     contiguous_f32,
     forced_precision,
@@ -397,7 +397,7 @@ class _PreFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None):
         x = x.contiguous()
-        x3 = _tokens_view(x, n_streams)
+        x3 = as_tokens(x, n_streams)
         T, n, C = x3.shape
         _check(x3, n)
         phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
@@ -427,7 +427,7 @@ class _PreFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh_pre, dh_post, dh_res):
         x, phi, alpha, bias, ht, rstd, h_pre = ctx.saved_tensors
-        T, n, C = _tokens_view(x, ctx.n_streams).shape
+        T, n, C = as_tokens(x, ctx.n_streams).shape
         dev, f32 = x.device, torch.float32
         dx_combine = None
         if ctx.link is not None:
@@ -479,7 +479,7 @@ def aggregate(x, h_pre, n=None):
     ``h_pre [T, n]``, bit for bit (the same kernel launch); no autograd: ``mhc_recompute``
     replays it in backward."""
     x = x.contiguous()
-    x3 = _tokens_view(x, n)
+    x3 = as_tokens(x, n)
     T, n_streams, C = x3.shape
     _check(x3, n_streams)
     if torch.is_grad_enabled() and (x.requires_grad or h_pre.requires_grad):
