@@ -89,7 +89,7 @@ def main():
     coef = torch.randn(T, device=dev) * 1e-3
     phi = torch.randn(m, K, device=dev) * K ** -0.5
     dx = torch.empty_like(x)
-    bt, bc, warps = tm.TILES.dx
+    bt, bc, warps, stages = tm.TILES.dx
     blocks = n * triton.cdiv(C, bc)
     splits, per = tm._splits(blocks, T, bt)
     dphi = torch.zeros(splits, mp, K, device=dev)
@@ -106,7 +106,7 @@ def main():
         def run(kern=kern):
             kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, acc, dx, dphi, T, C, per,
                                    HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
-                                   num_warps=warps)
+                                   num_warps=warps, num_stages=stages)
         ms = bench(run)
         if name == "shipped":
             ref_dx, ref_dphi = dx.clone(), dphi.clone()

@@ -7,6 +7,7 @@ writes the result as JSON for ``bench_mhc.py --tiles``. The chosen values are th
 into ``KernelTiles``' defaults by hand (with the table that justifies them).
 
     python benchmarks/tune_tiles.py [--size 16384x4096] [--out tiles.json] [--groups dx ...]
+                                    [--metric op|kernels]
 """
 
 from __future__ import annotations
@@ -32,13 +33,29 @@ GROUPS = [  # (TILES field, op it drives, candidates)
     ("target_programs", "pre fwd", [512, 1024, 2048]),
     ("sweep", "pre fwd", [(8, 1024, 8), (16, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4)]),
     ("combine_fwd", "post fwd", [(2, 512, 4), (4, 256, 4), (8, 128, 4), (4, 128, 4)]),
-    ("map_tokens", "sublayer bwd", [16, 32, 64]),
-    ("dx", "sublayer bwd", [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 128, 4), (64, 128, 8),
-                            (16, 64, 4), (64, 64, 8), (128, 32, 4)]),
+    ("maps", "sublayer bwd", [(16, 1), (8, 1), (32, 1), (16, 2), (64, 4)]),
+    ("dx", "sublayer bwd", [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 8, 2),
+                            (32, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2),
+                            (16, 64, 4, 3), (16, 64, 4, 2), (32, 128, 8, 2), (128, 32, 4, 2)]),
     ("combine_bwd", "sublayer bwd", [(8, 128, 4), (4, 128, 4), (16, 128, 4), (8, 256, 8),
                                      (4, 256, 4), (16, 64, 4), (4, 512, 8)]),
 ]
 DICT_FIELDS = ("proj",)  # per-n tables: a candidate replaces the n=4 entry
+
+
+def kernel_ms(fn, steps=30):
+    """CUDA kernel time of one ``fn()`` (ms, mean over ``steps`` calls under the torch
+    profiler): idle gaps and host time excluded, so small tile effects stay visible on a
+    busy or host-bound timing."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(ev.device_time for ev in prof.events()
+               if ev.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / steps
 
 
 def main():
@@ -47,10 +64,13 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--groups", nargs="*", default=None,
                    help="TILES fields to tune, in this order (default all)")
+    p.add_argument("--metric", choices=["op", "kernels"], default="op",
+                   help="op: do_bench of the op (default); kernels: the op's CUDA kernel time")
     args = p.parse_args()
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
-    print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; ms (median of do_bench)")
+    what = "median of do_bench" if args.metric == "op" else "CUDA kernel time per call"
+    print(f"{torch.cuda.get_device_name()}; M={m} C={c} n=4 bf16; ms ({what})")
     by_field = {field: (field, op, candidates) for field, op, candidates in GROUPS}
     order = GROUPS if args.groups is None else [by_field[g] for g in args.groups]
     for field, op, candidates in order:  # --groups may repeat a field (a second round)
@@ -59,7 +79,8 @@ def main():
             value = {**getattr(T, field), **cand} if field in DICT_FIELDS else cand
             setattr(T, field, value)
             try:
-                ms = bench(ours_ops(cs)[op], rep=100)
+                fn = ours_ops(cs)[op]
+                ms = bench(fn, rep=100) if args.metric == "op" else kernel_ms(fn)
             except Exception as exc:  # a tile that does not fit (shared memory, registers)
                 print(f"  {field}={cand}: failed ({type(exc).__name__})")
                 continue

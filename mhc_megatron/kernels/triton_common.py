@@ -89,18 +89,22 @@ class KernelTiles:
     (M=16384, C=4096, bf16; table in benchmarks/RESULTS.md).
 
     The projection streams phi once per token block (L2), so blocks of 64 tokens keep phi's
-    traffic below x's; n=8 pads the mapping to 128 columns and needs smaller tiles to fit
-    shared memory. Reductions over K / C / T are split across programs (fp32 partials,
-    summed in a fixed order) so that about ``target_programs`` programs are in flight."""
+    traffic below x's. The mapping kernels are a serial chain of log-normalisations per
+    program (latency, not bandwidth): one warp a program keeps every reduction in shuffles
+    (no cross-warp round trips), and 16 tokens a program spread the chains over the SMs at
+    short sequences (``benchmarks/probe_sinkhorn.py``). n=8 pads the mapping to 128 columns
+    and needs smaller projection tiles to fit shared memory. Reductions over K / C / T are
+    split across programs (fp32 partials, summed in a fixed order) so that about
+    ``target_programs`` programs are in flight."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
-    map_tokens: int = 64                    # per-token mapping math (Sinkhorn): tokens/program
+    maps: tuple = (16, 1)                   # per-token mapping math (Sinkhorn): (tokens, warps)
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
-    dx: tuple = (64, 64, 4)                 # fused dx + dphi: (tokens per step, channels, warps)
+    dx: tuple = (64, 64, 4, 3)              # fused dx + dphi: (tokens/step, channels, warps, stages)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)

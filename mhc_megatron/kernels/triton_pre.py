@@ -296,7 +296,8 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
 
 @triton.jit
 def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS, SPLIT_STRIDE,
-                 MK, ROWS, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr):
+                 MK, ROWS, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
+                 ROWS_STEP: tl.constexpr):
     """The parameter gradients from their partials, summed in a fixed order.
 
     Programs ``0 .. P-2``: ``dphi.flat[i] = sum_s dphi_part[s].flat[i]`` for ``i < M*K``
@@ -306,9 +307,12 @@ def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS
     pid = tl.program_id(0)
     if pid == tl.num_programs(0) - 1:
         j = tl.arange(0, MP)
-        red = tl.zeros([MP], dtype=tl.float32)
-        for r in range(ROWS):
-            red += tl.load(red_ptr + r * MP + j)
+        r = tl.arange(0, ROWS_STEP)
+        red2 = tl.zeros([ROWS_STEP, MP], dtype=tl.float32)
+        for r0 in range(0, ROWS, ROWS_STEP):  # ROWS_STEP rows a load, not one row a latency
+            red2 += tl.load(red_ptr + (r0 + r)[:, None] * MP + j[None, :],
+                            mask=(r0 + r < ROWS)[:, None], other=0.0)
+        red = tl.sum(red2, axis=0)
         tl.store(dbias_ptr + j, red.to(dbias_ptr.dtype.element_ty), mask=j < M)
         tl.store(dalpha_ptr + (j - M), red.to(dalpha_ptr.dtype.element_ty),
                  mask=(j >= M) & (j < M + 3))
@@ -351,8 +355,9 @@ class _PreForwardPlan:
                               PREC=_dot_precision(dtype, forced),
                               SPLIT_PHI=_projection_splits_phi(dtype, forced),
                               INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
-        self.map_grid = (cdiv(T, TILES.map_tokens),)
-        self.map_meta = Meta(N=n, MP=self.mp, BT=TILES.map_tokens, num_warps=4)
+        map_bt, map_warps = TILES.maps
+        self.map_grid = (cdiv(T, map_bt),)
+        self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, num_warps=map_warps)
 
 
 class _PreBackwardPlan:
@@ -366,19 +371,23 @@ class _PreBackwardPlan:
         self.dh_grid = (cdiv(T, bt), self.dh_splits)
         self.dh_per = per
         self.dh_meta = Meta(N=n, BT=bt, BC=bc, num_warps=warps)
-        self.map_programs = max(cdiv(T, TILES.map_tokens), 1)
-        self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=TILES.map_tokens,
-                             num_warps=4)
-        bt_dx, bc_dx, warps_dx = TILES.dx
+        map_bt, map_warps = TILES.maps
+        self.map_programs = max(cdiv(T, map_bt), 1)
+        self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt,
+                             num_warps=map_warps)
+        bt_dx, bc_dx, warps_dx, stages_dx = TILES.dx
         bc_dx = min(bc_dx, max(16, next_pow2(C)))
         dx_blocks = n * cdiv(C, bc_dx)
         self.dx_splits, self.dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         self.dx_grid = (dx_blocks, self.dx_splits)
         self.dx_meta = Meta(HAS_ACC=has_acc, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
-                            PREC=_dot_precision(dtype, forced), num_warps=warps_dx)
+                            PREC=_dot_precision(dtype, forced), num_warps=warps_dx,
+                            num_stages=stages_dx)
         mk = self.m * self.K
         self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
-        self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK, num_warps=4)
+        self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK,
+                               ROWS_STEP=max(1, min(32, next_pow2(self.map_programs))),
+                               num_warps=4)
 
 
 def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor) -> None:
