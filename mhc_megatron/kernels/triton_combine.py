@@ -18,17 +18,15 @@ import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
 from mhc_megatron.kernels.reference import as_tokens
-from mhc_megatron.kernels.triton_common import TILES, _check, contiguous_f32, plan
+from mhc_megatron.kernels.triton_common import TILES, _check, contiguous_f32, plan, token_block
 
 
 @triton.jit
 def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
                  HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t, tmask, t64 = token_block(T, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    tmask = t < T
     m2 = tmask[:, None] & (c < C)[None, :]
-    t64 = t.to(tl.int64)
     K = N * C
     i = tl.arange(0, N)
     f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -49,9 +47,7 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                  dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
                  HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
+    t, tmask, t64 = token_block(T, BT)
     K = N * C
     i = tl.arange(0, N)
     h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)

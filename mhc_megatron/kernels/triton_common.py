@@ -55,6 +55,14 @@ def _log_normalize(L, AXIS: tl.constexpr):
 
 
 @triton.jit
+def token_block(T, BT: tl.constexpr):
+    """This program's block of ``BT`` tokens along grid axis 0: the indices, their mask
+    (``< T``) and the indices as int64 (for offsets past 2^31 elements)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    return t, t < T, t.to(tl.int64)
+
+
+@triton.jit
 def _sinkhorn_log(L, iters):
     """``iters`` row-then-column log-normalisations of ``L [BT, N, N]``."""
     for _ in range(iters):
@@ -104,7 +112,7 @@ class KernelTiles:
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4)        # (tokens, channels per step, warps)
-    dx: tuple = (64, 64, 4, 3)              # fused dx + dphi: (tokens/step, channels, warps, stages)
+    dx: tuple = (64, 64, 4, 3)              # dx + dphi: (tokens/step, channels, warps, stages)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)

@@ -47,6 +47,7 @@ from mhc_megatron.kernels.triton_common import (
     contiguous_f32,
     forced_precision,
     plan,
+    token_block,
 )
 
 
@@ -60,10 +61,8 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
     SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
     (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
     the dot runs at ``PREC``."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t, tmask, t64 = token_block(T, BT)
     split = tl.program_id(1)
-    tmask = t < T
-    t64 = t.to(tl.int64)
     mcol = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
@@ -98,9 +97,7 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
                   ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters,
                   N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
     """Sum the split partials in order, then Ht, rstd and the mappings for a token block."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
+    t, tmask, t64 = token_block(T, BT)
     mcol = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
@@ -127,11 +124,9 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
 def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
                    N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """y[t, c] = sum_i h_pre[t, i] x[t, i, c] on a (token, channel) grid."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t, tmask, t64 = token_block(T, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    tmask = t < T
     m2 = tmask[:, None] & (c < C)[None, :]
-    t64 = t.to(tl.int64)
     i = tl.arange(0, N)
     h_pre = tl.load(hpre_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
     x3 = tl.load(x_ptr + t64[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
@@ -145,10 +140,8 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
 def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT,
                    N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """part[s, t, i] = sum over channels of C-split s of dy[t, c] x[t, i, c]."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t, tmask, t64 = token_block(T, BT)
     split = tl.program_id(1)
-    tmask = t < T
-    t64 = t.to(tl.int64)
     i = tl.arange(0, N)
     acc = tl.zeros([BT, N], dtype=tl.float32)
     c_start = split * C_PER_SPLIT
@@ -177,9 +170,7 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
     The Sinkhorn iterations are replayed once from the logits, each row-normalised state
     ``L_mid`` going to the scratch ``hist [iters, T, N*N]`` (fp32, written and read back
     by the same program), then walked in reverse."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
+    t, tmask, t64 = token_block(T, BT)
     i = tl.arange(0, N)
     ij = i[:, None] * N + i[None, :]
     d_pre = tl.zeros([BT, N], dtype=tl.float32)
