@@ -22,21 +22,27 @@ from bench_mhc import DEPTH, Case, apply_tiles, chain, fwd_bwd_step, te_chain  #
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
 
-def profile_step(fwd, cs, is_te, steps):
-    step = fwd_bwd_step(fwd, cs, is_te)
-
-    for _ in range(3):
-        step()
+def cuda_kernel_ms(fn, steps, warmup=3):
+    """``{kernel name (70 chars): CUDA ms per fn() call}``, from the torch profiler over
+    ``steps`` calls after ``warmup``: device time only, idle gaps and host time excluded."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            step()
+            fn()
         torch.cuda.synchronize()
     per_kernel = collections.defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name[:70]] += ev.device_time / 1e3 / steps / DEPTH  # ms/sublayer
-    return sorted(per_kernel.items(), key=lambda kv: -kv[1])
+            per_kernel[ev.name[:70]] += ev.device_time / 1e3 / steps
+    return per_kernel
+
+
+def profile_step(fwd, cs, is_te, steps):
+    per_call = cuda_kernel_ms(fwd_bwd_step(fwd, cs, is_te), steps)
+    per_sublayer = {name: ms / DEPTH for name, ms in per_call.items()}
+    return sorted(per_sublayer.items(), key=lambda kv: -kv[1])
 
 
 def main():

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_mhc import Case, bench, ours_ops  # noqa: E402
+from profile_kernels import cuda_kernel_ms  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 
 T = triton_mhc.TILES
@@ -43,21 +44,6 @@ GROUPS = [  # (TILES field, op it drives, candidates)
 DICT_FIELDS = ("proj",)  # per-n tables: a candidate replaces the n=4 entry
 
 
-def kernel_ms(fn, steps=30):
-    """CUDA kernel time of one ``fn()`` (ms, mean over ``steps`` calls under the torch
-    profiler): idle gaps and host time excluded, so small tile effects stay visible on a
-    busy or host-bound timing."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(ev.device_time for ev in prof.events()
-               if ev.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / steps
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="16384x4096")
@@ -65,7 +51,9 @@ def main():
     p.add_argument("--groups", nargs="*", default=None,
                    help="TILES fields to tune, in this order (default all)")
     p.add_argument("--metric", choices=["op", "kernels"], default="op",
-                   help="op: do_bench of the op (default); kernels: the op's CUDA kernel time")
+                   help="op: do_bench of the op (default); kernels: the op's CUDA kernel "
+                        "time (torch profiler: idle gaps and host time excluded, so small "
+                        "tile effects stay visible where do_bench moves by a few per cent)")
     args = p.parse_args()
     m, c = (int(v) for v in args.size.split("x"))
     cs = Case(m, c)
@@ -80,7 +68,8 @@ def main():
             setattr(T, field, value)
             try:
                 fn = ours_ops(cs)[op]
-                ms = bench(fn, rep=100) if args.metric == "op" else kernel_ms(fn)
+                ms = (bench(fn, rep=100) if args.metric == "op"
+                      else sum(cuda_kernel_ms(fn, steps=30).values()))
             except Exception as exc:  # a tile that does not fit (shared memory, registers)
                 print(f"  {field}={cand}: failed ({type(exc).__name__})")
                 continue

@@ -65,3 +65,11 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     names = [name.strip() for name in rows]
     assert names == ["pre forward (autograd apply)", "pre backward",
                      "combine forward (autograd apply)", "combine backward"]
+
+
+def test_probe_sinkhorn_kernels_equal_the_reference():
+    """The probe times copies of the Sinkhorn chain in two layouts; on the interpreter its
+    ``--check`` holds all four (forward and backward) to the reference Sinkhorn."""
+    out = run_script("benchmarks/probe_sinkhorn.py", "--check", env={"TRITON_INTERPRET": "1"})
+    assert "probe kernels equal the reference Sinkhorn" in out
+
