@@ -218,14 +218,11 @@ def profile_rows(steps: dict, n_steps: int) -> list[str]:
             step()
         _sync()
         prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(45)
-        rows += ["", f"### cProfile, {run}, {n_steps} steps (by own time)", "", "```",
-                 s.getvalue(), "```"]
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(60)
-        rows += ["", f"### cProfile, {run}, {n_steps} steps (cumulative)", "", "```",
-                 s.getvalue(), "```"]
+        for order, top, label in (("tottime", 45, "by own time"), ("cumulative", 60, "cumulative")):
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats(order).print_stats(top)
+            rows += ["", f"### cProfile, {run}, {n_steps} steps ({label})", "", "```",
+                     s.getvalue(), "```"]
     return rows
 
 

@@ -51,7 +51,7 @@ class MHCOps:
 def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None):
     y, h_pre, h_post, h_res = reference.pre(reference.as_tokens(x, n), phi, alpha, bias,
                                             iterations, eps)
-    return (y if n is None else y.view(*x.shape[:-1], y.shape[-1])), h_pre, h_post, h_res
+    return _in_layout_of(y, x, n), h_pre, h_post, h_res
 
 
 def _reference_combine(x, f, f_bias, h_res, h_post, n=None):
@@ -61,8 +61,12 @@ def _reference_combine(x, f, f_bias, h_res, h_post, n=None):
 
 
 def _reference_aggregate(x, h_pre, n=None):
-    y = reference.aggregate(reference.as_tokens(x, n), h_pre)
-    return y if n is None else y.view(*x.shape[:-1], y.shape[-1])
+    return _in_layout_of(reference.aggregate(reference.as_tokens(x, n), h_pre), x, n)
+
+
+def _in_layout_of(y, x, n):
+    """The aggregate ``y [T, C]`` in ``x``'s layout (:func:`reference.aggregate_shape`)."""
+    return y if n is None else y.view(reference.aggregate_shape(x, n, y.shape[-1]))
 
 
 REFERENCE_OPS = MHCOps(name="reference", pre=_reference_pre, combine=_reference_combine,

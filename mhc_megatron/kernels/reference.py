@@ -42,6 +42,12 @@ def as_tokens(x: Tensor, n: int | None) -> Tensor:
     return x if n is None else x.reshape(-1, n, x.shape[-1] // n)
 
 
+def aggregate_shape(x: Tensor, n: int | None, C: int) -> tuple[int, ...]:
+    """The shape of the aggregate ``y`` (``C`` channels a token) in ``x``'s layout:
+    ``[T, C]`` for ``x [T, n, C]`` (``n`` None), ``[..., C]`` for the streams ``[..., n*C]``."""
+    return (*x.shape[:-2 if n is None else -1], C)
+
+
 def num_mapping_coefficients(n: int) -> int:
     """m = 2n + n^2: n pre, n post and n*n residual-mixing coefficients per token."""
     return 2 * n + n * n

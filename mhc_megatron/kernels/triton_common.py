@@ -159,9 +159,3 @@ def contiguous_f32(t: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.float32:
         t = t.float()
     return t if t.is_contiguous() else t.contiguous()
-
-
-def _y_shape(x: torch.Tensor, n: int | None, T: int, C: int) -> tuple:
-    """The shape of the aggregate ``y`` for ``x`` (``n``: see
-    :func:`~mhc_megatron.kernels.reference.as_tokens`)."""
-    return (T, C) if n is None else (*x.shape[:-1], C)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
-from mhc_megatron.kernels.reference import as_tokens
+from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
@@ -43,7 +43,6 @@ from mhc_megatron.kernels.triton_common import (
     _sinkhorn_log,
     _splits,
     _sweep_bc,
-    _y_shape,
     contiguous_f32,
     forced_precision,
     plan,
@@ -403,7 +402,7 @@ class _PreFn(torch.autograd.Function):
         phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
         dev, f32 = x.device, torch.float32
         mp = _padded_m(n)
-        y = torch.empty(_y_shape(x, n_streams, T, C), device=dev, dtype=x.dtype)
+        y = torch.empty(aggregate_shape(x, n_streams, C), device=dev, dtype=x.dtype)
         h_pre = torch.empty(T, n, device=dev, dtype=f32)
         h_post = torch.empty(T, n, device=dev, dtype=f32)
         h_res = torch.empty(T, n, n, device=dev, dtype=f32)
@@ -440,7 +439,7 @@ class _PreFn(torch.autograd.Function):
         if T == 0:
             dx = dx_combine if dx_combine is not None else torch.zeros_like(x)
             return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None
-        dy = (torch.zeros(_y_shape(x, ctx.n_streams, T, C), device=dev, dtype=x.dtype)
+        dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
         dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
@@ -485,7 +484,7 @@ def aggregate(x, h_pre, n=None):
     if torch.is_grad_enabled() and (x.requires_grad or h_pre.requires_grad):
         raise RuntimeError("triton_mhc.aggregate has no backward: it is the recompute's replay "
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
-    y = torch.empty(_y_shape(x, n, T, C), device=x.device, dtype=x.dtype)
+    y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
         _launch_aggregate(x3, contiguous_f32(h_pre), y)
     return y
