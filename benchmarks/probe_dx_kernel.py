@@ -64,7 +64,8 @@ def kernel_variant(edits):
     for old, new in edits:
         assert old in src, old
         src = src.replace(old, new)
-    module_src = "import triton\nimport triton.language as tl\n\n\n" + src  # src has @triton.jit
+    module_src = ("import triton\nimport triton.language as tl\n"  # src has @triton.jit
+                  "from mhc_megatron.kernels.triton_common import stream_strides\n\n\n" + src)
     path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
     path.write(module_src)
     path.close()
@@ -105,7 +106,7 @@ def main():
 
         def run(kern=kern):
             kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, acc, dx, dphi, T, C, per,
-                                   HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
+                                   HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec, X_BCAST=False,
                                    num_warps=warps, num_stages=stages)
         ms = bench(run)
         if name == "shipped":

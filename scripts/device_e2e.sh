@@ -6,6 +6,9 @@
 #                    BENCH_ARGS: more arguments, e.g. "--configs moe --steps 20"
 #                    INTERLEAVE=ROUNDS: --interleave instead of --profile (every run's model
 #                    built first, timed in alternating rounds)
+#                    OLD=old_pkg: the --profile bench also from that copy of the package (an
+#                    A/B in one call: `mkdir old_pkg && git archive REV mhc_megatron | tar -x
+#                    -C old_pkg`), logs bench_e2e_new.* and bench_e2e_old.*
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 record_env
 if [ "${PHASE:-bench}" = recompute ]; then
@@ -14,6 +17,15 @@ if [ "${PHASE:-bench}" = recompute ]; then
 elif [ -n "${INTERLEAVE:-}" ]; then  # host-bound configs: runs side by side, alternating rounds
   python3 benchmarks/bench_e2e.py --interleave "$INTERLEAVE" --out "$OUT/bench_e2e.md" \
     ${BENCH_ARGS:-} 2>&1 | grep -v "DEPRECATED" | tail -30 | tee "$OUT/bench_e2e.log"
+elif [ -n "${OLD:-}" ]; then
+  ROOT="$PWD"
+  for version in new old; do
+    dir="$ROOT"; [ "$version" = old ] && dir="$ROOT/$OLD"
+    ( cd "$dir" && python3 "$ROOT/benchmarks/bench_e2e.py" --profile \
+        --out "$OUT/bench_e2e_$version.md" ${BENCH_ARGS:-} ) 2>&1 \
+      | grep -v "DEPRECATED" | tail -40 > "$OUT/bench_e2e_$version.log"
+    echo "== $version"; grep "^|" "$OUT/bench_e2e_$version.md" | head -40
+  done
 else
   python3 benchmarks/bench_e2e.py --profile --out "$OUT/bench_e2e.md" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "DEPRECATED" | tail -60 | tee "$OUT/bench_e2e.log"

@@ -219,17 +219,17 @@ def test_launch_plans_are_cached_and_follow_the_tiles():
     from mhc_megatron.kernels import triton_common
     from mhc_megatron.kernels.triton_pre import _AggregatePlan
 
-    first = triton_common.plan(_AggregatePlan, 64, 4, 1024)
-    assert triton_common.plan(_AggregatePlan, 64, 4, 1024) is first
+    first = triton_common.plan(_AggregatePlan, 64, 4, 1024, False)
+    assert triton_common.plan(_AggregatePlan, 64, 4, 1024, False) is first
     old = triton_common.TILES.sweep
     try:
         triton_common.TILES.sweep = (16, 512, 4)
-        again = triton_common.plan(_AggregatePlan, 64, 4, 1024)
+        again = triton_common.plan(_AggregatePlan, 64, 4, 1024, False)
         assert again is not first and again.meta.kwargs["BT"] == 16
         assert again.grid == (cdiv(64, 16), cdiv(1024, 128))
     finally:
         triton_common.TILES.sweep = old
-    assert triton_common.plan(_AggregatePlan, 64, 4, 1024).meta == first.meta
+    assert triton_common.plan(_AggregatePlan, 64, 4, 1024, False).meta == first.meta
 
 
 def test_launcher_leaves_tracing_to_tritons_launch_form(fast_path_on, monkeypatch):

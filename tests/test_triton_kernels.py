@@ -187,6 +187,39 @@ def test_gpt_model_triton_backend_matches_reference(seeded, monkeypatch):
         assert rel_err(grads_t[name], g) < 2e-3, name
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_layer1_reads_the_embeddings_as_broadcast_streams(seeded, monkeypatch, backend):
+    """Global layer 1 hands its first sublayer the embeddings as n broadcast streams (a view;
+    ``expand_streams`` never runs), and the model's loss and every gradient equal those of
+    the materialised expansion bit for bit (the fused ops read the same values in the same
+    order; the reference copies the view; autograd sums the n stream gradients alike)."""
+    from helpers import batch, build_gpt, lm_loss, tiny_config
+
+    from mhc_megatron.layers import transformer_layer
+    from mhc_megatron.testing.cpu import setup_cpu_megatron
+
+    expand = transformer_layer.expand_streams
+    expansions = []
+    monkeypatch.setattr(transformer_layer, "expand_streams",
+                        lambda h, n: expansions.append(n) or expand(h, n))
+    runs = []
+    for materialised in (False, True):
+        if materialised:
+            monkeypatch.setattr(transformer_layer, "broadcast_streams",
+                                transformer_layer.expand_streams)
+        cfg = tiny_config(mhc_kernel_backend=backend, num_residual_streams=4)
+        setup_cpu_megatron(seed=21)
+        model = build_gpt(cfg, DEV)
+        loss = lm_loss(model, batch(device=DEV, seed=2))
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        assert len(expansions) == (1 if materialised else 0), expansions
+    (loss_b, grads_b), (loss_m, grads_m) = runs
+    assert torch.equal(loss_b, loss_m)
+    for name, g in grads_m.items():
+        assert torch.equal(grads_b[name], g), name
+
+
 def _sublayer(ops_pre, ops_combine, base, n, phi, alpha, bias, w, fb, up, as_views):
     """One mHC sublayer as the layer runs it: pre -> f = y * w -> combine, on ``base``.
 
@@ -304,3 +337,59 @@ def test_streams_layout_equals_token_layout(backend):
             assert torch.equal(a, bb), name
         else:  # autograd adds pre's and combine's dx in another order through the reshapes
             assert rel_err(a, bb) < 1e-6, name
+
+
+BROADCAST_CASES = [(17, 4, 24, torch.float32), (21, 2, 130, torch.bfloat16),
+                   (9, 8, 40, torch.float32), (13, 4, 33, torch.float16)]
+GPU_BROADCAST_CASES = [(4097, 4, 1024, torch.bfloat16), (1000, 4, 4096, torch.bfloat16),
+                       (2049, 8, 256, torch.float32), (4097, 4, 1000, torch.bfloat16),
+                       (2049, 8, 257, torch.float32)]
+
+
+@pytest.mark.parametrize("t,n,c,dtype", BROADCAST_CASES + (GPU_BROADCAST_CASES if CUDA else []))
+def test_broadcast_streams_equal_their_copy(t, n, c, dtype):
+    """Global layer 1's n equal streams as a view of one row a token (``[T, n, C]`` with
+    stream stride 0) give what their materialised copy gives: ``y``, the mappings, ``x'``,
+    the replayed aggregate and every gradient (the input's is autograd's sum of the n stream
+    gradients either way), bit for bit when ``C`` is a multiple of 16 (hidden sizes are) or
+    on the interpreter. (Compiled, the projection's loads of the view are addressed
+    ``t*C + k % C``; Triton proves their contiguity, and so picks the same register layout
+    and reduction order as for the copy, only when it knows ``C % 16 == 0``.) The copy is
+    itself held to the PyTorch reference. The ops read the view as it is: what pre
+    and combine save for backward is ``h``'s own storage, and combine hands its dx to pre."""
+    g = torch.Generator().manual_seed(t + n)
+    h = torch.randn(t, c, generator=g).to(DEV, dtype)
+    phi, alpha, bias = _params(n, c, seed=t)
+    w = torch.randn(c, generator=g).to(DEV, dtype)
+    up = torch.randn(t, n, c, generator=g).to(DEV, dtype)
+    runs = {}
+    for mode, ops_pre, ops_combine, ops_agg in (
+            ("broadcast", triton_mhc.pre, triton_mhc.combine, triton_mhc.aggregate),
+            ("copy", triton_mhc.pre, triton_mhc.combine, triton_mhc.aggregate),
+            ("reference", ref.pre, ref.expand_combine, ref.aggregate)):
+        hl = h.detach().clone().requires_grad_()
+        params = [p.detach().clone().requires_grad_() for p in (phi, alpha, bias, w)]
+        x = hl.view(t, 1, c).expand(t, n, c)
+        if mode != "broadcast":
+            x = x.contiguous()
+        y, h_pre, h_post, h_res = ops_pre(x, *params[:3], 20, 1e-6)
+        out = ops_combine(x, y * params[3], None, h_res, h_post)
+        if mode == "broadcast":
+            for node in (y.grad_fn, out.grad_fn):
+                saved_x = node.saved_tensors[0]
+                assert saved_x.untyped_storage().data_ptr() == hl.untyped_storage().data_ptr()
+                assert saved_x.stride(1) == 0, "the op materialised the streams"
+            assert h_res._mhc_dx_link.claimed, "combine did not hand its dx to pre"
+        with torch.no_grad():
+            y_again = ops_agg(x.detach(), h_pre.detach())
+        out.backward(up)
+        runs[mode] = [y, h_pre, h_post, h_res, out, y_again, hl.grad, *[p.grad for p in params]]
+    names = ("y", "h_pre", "h_post", "h_res", "out", "aggregate", "dh", "dphi", "dalpha", "dbias",
+             "dw")
+    bitwise = not CUDA or c % 16 == 0
+    for name, a, b, r in zip(names, runs["broadcast"], runs["copy"], runs["reference"]):
+        if bitwise:
+            assert torch.equal(a, b), name
+        else:
+            assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else TOL[dtype] / 4), name
+        assert rel_err(b, r) < TOL[dtype], f"{name}: rel err {rel_err(b, r):.2e} to the reference"

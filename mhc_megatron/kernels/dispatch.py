@@ -48,19 +48,25 @@ class MHCOps:
     aggregate: Callable[..., Tensor]
 
 
+# The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
+# view of the embeddings, stream stride 0) is copied, so that the reference runs the same ops
+# on the same values as on materialised streams (the fused ops read the view as it is).
 def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None):
+    x = x.contiguous()
     y, h_pre, h_post, h_res = reference.pre(reference.as_tokens(x, n), phi, alpha, bias,
                                             iterations, eps)
     return _in_layout_of(y, x, n), h_pre, h_post, h_res
 
 
 def _reference_combine(x, f, f_bias, h_res, h_post, n=None):
+    x = x.contiguous()
     f_tokens = f if n is None else f.reshape(-1, f.shape[-1])
     out = reference.expand_combine(reference.as_tokens(x, n), f_tokens, f_bias, h_res, h_post)
     return out if n is None else out.view(x.shape)
 
 
 def _reference_aggregate(x, h_pre, n=None):
+    x = x.contiguous()
     return _in_layout_of(reference.aggregate(reference.as_tokens(x, n), h_pre), x, n)
 
 

@@ -18,13 +18,24 @@ import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
 from mhc_megatron.kernels.reference import as_tokens
-from mhc_megatron.kernels.triton_common import TILES, _check, contiguous_f32, plan, token_block
+from mhc_megatron.kernels.triton_common import (
+    TILES,
+    _check,
+    contiguous_f32,
+    plan,
+    stream_strides,
+    streams_operand,
+    token_block,
+)
 
 
 @triton.jit
 def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
-                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 X_BCAST: tl.constexpr):
+    """out [T, N, C] = H_res x + H_post (f + bias); x may be broadcast (X_BCAST)."""
     t, tmask, t64 = token_block(T, BT)
+    XT, XS = stream_strides(N, C, X_BCAST)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m2 = tmask[:, None] & (c < C)[None, :]
     K = N * C
@@ -35,7 +46,7 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
     h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
     acc = h_post[:, :, None] * f[:, None, :]
     for j in tl.static_range(N):
-        xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2, other=0.0)
+        xj = tl.load(x_ptr + t64[:, None] * XT + j * XS + c[None, :], mask=m2, other=0.0)
         h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
                         mask=tmask[:, None], other=0.0)
         acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
@@ -46,9 +57,12 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
 @triton.jit
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                  dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
-                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 X_BCAST: tl.constexpr):
+    """dx [T, N, C], df, dH_post, dH_res for a token block; x may be broadcast (X_BCAST)."""
     t, tmask, t64 = token_block(T, BT)
     K = N * C
+    XT, XS = stream_strides(N, C, X_BCAST)
     i = tl.arange(0, N)
     h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
     d_post = tl.zeros([BT, N], dtype=tl.float32)
@@ -65,7 +79,7 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
         tl.store(df_ptr + t64[:, None] * C + c[None, :], df.to(df_ptr.dtype.element_ty), mask=m2)
         d_post += tl.sum(g3 * f[:, None, :], axis=2)
         for j in tl.static_range(N):
-            xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2,
+            xj = tl.load(x_ptr + t64[:, None] * XT + j * XS + c[None, :], mask=m2,
                          other=0.0).to(tl.float32)
             col = tl.sum(g3 * xj[:, None, :], axis=2)  # dH_res[:, :, j] contribution
             d_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
@@ -87,15 +101,16 @@ _FWD, _BWD = Launcher(_combine_fwd), Launcher(_combine_bwd)
 class _CombinePlan:
     """Launch shapes of the combine, forward and backward, for ``x [T, n, C]`` (T > 0)."""
 
-    def __init__(self, T: int, n: int, C: int, has_bias: bool):
+    def __init__(self, T: int, n: int, C: int, has_bias: bool, bcast: bool):
         bt, bc, warps = TILES.combine_fwd
         bc = min(bc, next_pow2(C))
         self.fwd_grid = (cdiv(T, bt), cdiv(C, bc))
-        self.fwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, num_warps=warps)
+        self.fwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, X_BCAST=bcast,
+                             num_warps=warps)
         bt, bc, warps = TILES.combine_bwd
         self.bwd_grid = (cdiv(T, bt),)
         self.bwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=min(bc, next_pow2(C)),
-                             num_warps=warps)
+                             X_BCAST=bcast, num_warps=warps)
 
 
 class _CombineFn(torch.autograd.Function):
@@ -104,18 +119,19 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, f, f_bias, h_res, h_post, link, n_streams=None):
-        x, f = x.contiguous(), f.contiguous()
+        (x, bcast), f = streams_operand(x), f.contiguous()
         T, n, C = as_tokens(x, n_streams).shape
         _check(x, n)
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         if T > 0:
-            p = plan(_CombinePlan, T, n, C, f_bias is not None)
+            p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
             _FWD(p.fwd_grid, p.fwd_meta, x, f, f_bias if f_bias is not None else f, h_res,
                  h_post, out, T, C)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
         ctx.n_streams = n_streams
+        ctx.bcast = bcast
         ctx.link = link
         return out
 
@@ -124,12 +140,12 @@ class _CombineFn(torch.autograd.Function):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
         T, n, C = as_tokens(x, ctx.n_streams).shape
         g = g.contiguous()
-        dx = torch.empty_like(x)
+        dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         df = torch.empty_like(f)
         dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
         if T > 0:
-            p = plan(_CombinePlan, T, n, C, f_bias is not None)
+            p = plan(_CombinePlan, T, n, C, f_bias is not None, ctx.bcast)
             _BWD(p.bwd_grid, p.bwd_meta, g, x, f, f_bias if f_bias is not None else f, h_res,
                  h_post, dx, df, dh_res, dh_post, T, C)
         dbias = None

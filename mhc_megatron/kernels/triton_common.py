@@ -63,6 +63,17 @@ def token_block(T, BT: tl.constexpr):
 
 
 @triton.jit
+def stream_strides(N: tl.constexpr, C, X_BCAST: tl.constexpr):
+    """(token stride, stream stride) of the streams operand ``x [T, N, C]``: ``(N*C, C)``
+    for contiguous streams; ``(C, 0)`` when they are one broadcast row a token (X_BCAST,
+    :func:`streams_operand`): every stream's loads then hit the same (cached) bytes."""
+    if X_BCAST:
+        return C, 0
+    else:
+        return N * C, C
+
+
+@triton.jit
 def _sinkhorn_log(L, iters):
     """``iters`` row-then-column log-normalisations of ``L [BT, N, N]``."""
     for _ in range(iters):
@@ -152,6 +163,18 @@ def _check(x: torch.Tensor, n: int) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"Triton mHC kernels support {SUPPORTED_DTYPES}, got {x.dtype}. "
                          "Fix: use mhc_kernel_backend='reference' (or 'auto') for this dtype.")
+
+
+def streams_operand(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(x, broadcast)``: the streams as the kernels read them. ``x [T, n, C]`` whose n
+    streams are one copy, a view ``h.view(T, 1, C).expand(T, n, C)`` of contiguous rows
+    (stream stride 0: global layer 1's expansion, :func:`~mhc_megatron.layers.streams.
+    broadcast_streams`), is read as it is (``broadcast`` True), never materialised;
+    anything else is made contiguous (``broadcast`` False)."""
+    if (x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 0 and x.stride(2) == 1
+            and x.stride(0) == x.shape[2]):
+        return x, True
+    return x.contiguous(), False
 
 
 def contiguous_f32(t: torch.Tensor) -> torch.Tensor:

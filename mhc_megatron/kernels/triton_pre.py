@@ -46,16 +46,22 @@ from mhc_megatron.kernels.triton_common import (
     contiguous_f32,
     forced_precision,
     plan,
+    stream_strides,
+    streams_operand,
     token_block,
 )
 
 
 # ------------------------------------------------------------------------------ forward
 @triton.jit
-def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
+def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, C, K_PER_SPLIT,
                   M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr):
+                  PREC: tl.constexpr, SPLIT_PHI: tl.constexpr, INTERPRETED: tl.constexpr,
+                  X_BCAST: tl.constexpr):
     """part[s, t, :] = x[t, K-split s] @ phi[:, K-split s]^T; ss[s, t] = sum of x^2 there.
+
+    X_BCAST: x's streams are one broadcast row (``x[t, k]`` at ``t*C + k % C``, see
+    :func:`~mhc_megatron.kernels.triton_common.streams_operand`).
 
     SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
     (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
@@ -69,8 +75,11 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, K_PER_SPLIT,
     for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
         k = k0 + tl.arange(0, BK)
         kmask = k < K
-        xt = tl.load(x_ptr + t64[:, None] * K + k[None, :],
-                     mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if X_BCAST:
+            x_offs = t64[:, None] * C + (k % C)[None, :]
+        else:
+            x_offs = t64[:, None] * K + k[None, :]
+        xt = tl.load(x_ptr + x_offs, mask=tmask[:, None] & kmask[None, :], other=0.0)
         xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
@@ -120,15 +129,16 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
 
 
 @triton.jit
-def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
-                   N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C, N: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr, X_BCAST: tl.constexpr):
     """y[t, c] = sum_i h_pre[t, i] x[t, i, c] on a (token, channel) grid."""
+    XT, XS = stream_strides(N, C, X_BCAST)
     t, tmask, t64 = token_block(T, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m2 = tmask[:, None] & (c < C)[None, :]
     i = tl.arange(0, N)
     h_pre = tl.load(hpre_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
-    x3 = tl.load(x_ptr + t64[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
+    x3 = tl.load(x_ptr + t64[:, None, None] * XT + i[None, :, None] * XS + c[None, None, :],
                  mask=m2[:, None, :], other=0.0).to(tl.float32)
     y = tl.sum(x3 * h_pre[:, :, None], axis=1)
     tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
@@ -136,9 +146,10 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C,
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT,
-                   N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT, N: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr, X_BCAST: tl.constexpr):
     """part[s, t, i] = sum over channels of C-split s of dy[t, c] x[t, i, c]."""
+    XT, XS = stream_strides(N, C, X_BCAST)
     t, tmask, t64 = token_block(T, BT)
     split = tl.program_id(1)
     i = tl.arange(0, N)
@@ -147,7 +158,7 @@ def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT,
     for c0 in range(c_start, c_start + C_PER_SPLIT, BC):
         c = c0 + tl.arange(0, BC)
         m2 = tmask[:, None] & (c < C)[None, :]
-        x3 = tl.load(x_ptr + t64[:, None, None] * (N * C) + i[None, :, None] * C + c[None, None, :],
+        x3 = tl.load(x_ptr + t64[:, None, None] * XT + i[None, :, None] * XS + c[None, None, :],
                      mask=m2[:, None, :], other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
         acc += tl.sum(x3 * dy[:, None, :], axis=2)
@@ -245,7 +256,7 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
                  T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, X_BCAST: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
     Program (stream s, channel block, token split) walks its tokens:
@@ -258,6 +269,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
     split = tl.program_id(1)
     cmask = c < C
     K = N * C
+    XT, XS = stream_strides(N, C, X_BCAST)
     k = s * C + c
     mcol = tl.arange(0, MP)
     ph = tl.load(phi_ptr + mcol[:, None].to(tl.int64) * K + k[None, :],
@@ -273,8 +285,9 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
         coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
         h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
         dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        offs = t64[:, None] * K + k[None, :]
-        xs = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        offs = t64[:, None] * K + k[None, :]  # dx, acc: [T, N, C]
+        xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
         dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
         if HAS_ACC:
             dxs += tl.load(acc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
@@ -325,18 +338,20 @@ _PARAM_GRADS_BLOCK = 1024
 
 
 class _AggregatePlan:
-    """Launch shape of ``_aggregate_fwd`` for ``x [T, n, C]``."""
+    """Launch shape of ``_aggregate_fwd`` for ``x [T, n, C]`` (``bcast``: one broadcast row
+    a token, :func:`streams_operand`)."""
 
-    def __init__(self, T: int, n: int, C: int):
+    def __init__(self, T: int, n: int, C: int, bcast: bool):
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.grid = (cdiv(T, bt), cdiv(C, bc))
-        self.meta = Meta(N=n, BT=bt, BC=bc, num_warps=warps)
+        self.meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
 
 
 class _PreForwardPlan:
     """Launch shapes of pre's forward for ``x [T, n, C]`` (T > 0) of ``dtype``."""
 
-    def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None):
+    def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
+                 bcast: bool):
         self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
         bt, bk, warps, stages = TILES.proj[n]
         self.splits, self.per = _splits(cdiv(T, bt), self.K, bk)
@@ -344,7 +359,8 @@ class _PreForwardPlan:
         self.proj_meta = Meta(M=self.m, MP=self.mp, BT=bt, BK=bk,
                               PREC=_dot_precision(dtype, forced),
                               SPLIT_PHI=_projection_splits_phi(dtype, forced),
-                              INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages)
+                              INTERPRETED=_INTERPRETED, X_BCAST=bcast, num_warps=warps,
+                              num_stages=stages)
         map_bt, map_warps = TILES.maps
         self.map_grid = (cdiv(T, map_bt),)
         self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, num_warps=map_warps)
@@ -354,13 +370,13 @@ class _PreBackwardPlan:
     """Launch shapes of pre's backward for ``x [T, n, C]`` of ``dtype``."""
 
     def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
-                 has_dhpre: bool, has_acc: bool):
+                 has_dhpre: bool, has_acc: bool, bcast: bool):
         self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.dh_splits, per = _splits(cdiv(T, bt), C, bc)
         self.dh_grid = (cdiv(T, bt), self.dh_splits)
         self.dh_per = per
-        self.dh_meta = Meta(N=n, BT=bt, BC=bc, num_warps=warps)
+        self.dh_meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
         map_bt, map_warps = TILES.maps
         self.map_programs = max(cdiv(T, map_bt), 1)
         self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt,
@@ -371,8 +387,8 @@ class _PreBackwardPlan:
         self.dx_splits, self.dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         self.dx_grid = (dx_blocks, self.dx_splits)
         self.dx_meta = Meta(HAS_ACC=has_acc, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
-                            PREC=_dot_precision(dtype, forced), num_warps=warps_dx,
-                            num_stages=stages_dx)
+                            PREC=_dot_precision(dtype, forced), X_BCAST=bcast,
+                            num_warps=warps_dx, num_stages=stages_dx)
         mk = self.m * self.K
         self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
         self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK,
@@ -380,22 +396,25 @@ class _PreBackwardPlan:
                                num_warps=4)
 
 
-def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor) -> None:
-    """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for contiguous ``x [T, n, C]``, fp32
-    ``h_pre [T, n]`` (T > 0): the one launch of the aggregate, shared by pre's forward and
-    :func:`aggregate`, so that both give the same bits."""
+def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor,
+                      bcast: bool) -> None:
+    """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for ``x [T, n, C]`` as
+    :func:`streams_operand` returns it (``bcast``), fp32 ``h_pre [T, n]`` (T > 0): the one
+    launch of the aggregate, shared by pre's forward and :func:`aggregate`, so that both
+    give the same bits."""
     T, n, C = x.shape
-    p = plan(_AggregatePlan, T, n, C)
+    p = plan(_AggregatePlan, T, n, C, bcast)
     _AGG(p.grid, p.meta, x, h_pre, y, T, C)
 
 
 class _PreFn(torch.autograd.Function):
-    """``x`` is ``[T, n, C]`` (``n_streams`` None) or the streams ``[..., n*C]``; ``y`` is
-    ``[T, C]`` or ``[..., C]`` accordingly, the mappings are per token."""
+    """``x`` is ``[T, n, C]`` (``n_streams`` None; possibly one broadcast row a token, read
+    as is: :func:`streams_operand`) or the streams ``[..., n*C]``; ``y`` is ``[T, C]`` or
+    ``[..., C]`` accordingly, the mappings are per token."""
 
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None):
-        x = x.contiguous()
+        x, bcast = streams_operand(x)
         x3 = as_tokens(x, n_streams)
         T, n, C = x3.shape
         _check(x3, n)
@@ -409,14 +428,15 @@ class _PreFn(torch.autograd.Function):
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
         if T > 0:
-            p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision())
+            p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast)
             part = torch.empty(p.splits, T, mp, device=dev, dtype=f32)
             part_ss = torch.empty(p.splits, T, device=dev, dtype=f32)
-            _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, p.per)
+            _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
                       ht, rstd, T, p.K, p.splits, float(eps), int(iters))
-            _launch_aggregate(x3, h_pre, y)
+            _launch_aggregate(x3, h_pre, y, bcast)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
+        ctx.bcast = bcast
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
         ctx.link = link
@@ -432,18 +452,18 @@ class _PreFn(torch.autograd.Function):
         if ctx.link is not None:
             dx_combine, ctx.link.pending = ctx.link.pending, None
         p = plan(_PreBackwardPlan, T, n, C, x.dtype, forced_precision(), dh_pre is not None,
-                 dx_combine is not None)
+                 dx_combine is not None, ctx.bcast)
         dphi = torch.empty(p.m, p.K, device=dev, dtype=phi.dtype)
         dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
         dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
-            dx = dx_combine if dx_combine is not None else torch.zeros_like(x)
+            dx = dx_combine if dx_combine is not None else x.new_zeros(x.shape)
             return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None
         dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
         dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
-        dx = torch.empty_like(x)
+        dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         dp = torch.empty(T, p.mp, device=dev, dtype=f32)  # every column written
         coef = torch.empty(T, device=dev, dtype=f32)
         dphi_part = torch.empty(p.dx_splits, p.mp, p.K, device=dev, dtype=f32)
@@ -477,7 +497,7 @@ def aggregate(x, h_pre, n=None):
     """``y`` of :func:`pre` from ``x`` (``[T, n, C]``, or ``[..., n*C]`` with ``n``) and pre's
     ``h_pre [T, n]``, bit for bit (the same kernel launch); no autograd: ``mhc_recompute``
     replays it in backward."""
-    x = x.contiguous()
+    x, bcast = streams_operand(x)
     x3 = as_tokens(x, n)
     T, n_streams, C = x3.shape
     _check(x3, n_streams)
@@ -486,5 +506,5 @@ def aggregate(x, h_pre, n=None):
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
     y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        _launch_aggregate(x3, contiguous_f32(h_pre), y)
+        _launch_aggregate(x3, contiguous_f32(h_pre), y, bcast)
     return y

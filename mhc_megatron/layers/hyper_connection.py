@@ -13,6 +13,7 @@ from torch import Tensor
 from mhc_megatron.config import MHCTransformerConfig
 from mhc_megatron.kernels import select_ops
 from mhc_megatron.kernels.reference import num_mapping_coefficients
+from mhc_megatron.layers.streams import is_broadcast_streams
 from mhc_megatron.recompute.manager import record_as, run_recorded
 
 # Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)).
@@ -54,7 +55,10 @@ class StreamMappings:
 class HyperConnectionModule(MegatronModule):
     """Dynamic manifold-constrained hyper-connection for one residual sublayer.
 
-    Streams are ``[s, b, n*C]`` stream-major (stream ``i`` is ``x[..., i*C:(i+1)*C]``).
+    Streams are ``[s, b, n*C]`` stream-major (stream ``i`` is ``x[..., i*C:(i+1)*C]``), or,
+    for global layer 1's first sublayer, the n equal streams as a view ``[s, b, n, C]`` of
+    the embeddings (:func:`~mhc_megatron.layers.streams.broadcast_streams`: never
+    materialised; the combine's output is ``[s, b, n*C]`` either way).
     ``pre`` computes the mappings and the sublayer input ``y = sum_i H_pre[i] x_i``
     (``[s, b, C]``); ``combine`` returns ``x' = H_res x + H_post^T dropout(f + bias)``
     (``[s, b, n*C]``). The math is in :mod:`mhc_megatron.kernels.reference`; which
@@ -118,6 +122,13 @@ class HyperConnectionModule(MegatronModule):
 
     def _check_streams(self, streams: Tensor) -> None:
         expected = self.n * self.hidden_size
+        if is_broadcast_streams(streams):
+            if streams.shape[2:] != (self.n, self.hidden_size):
+                raise ValueError(
+                    f"HyperConnectionModule expects broadcast streams [s, b, n, C] = "
+                    f"[s, b, {self.n}, {self.hidden_size}], got {tuple(streams.shape)}. Fix: "
+                    "build them with mhc_megatron.layers.streams.broadcast_streams(h, n).")
+            return
         if streams.dim() != 3 or streams.shape[-1] != expected:
             raise ValueError(
                 f"HyperConnectionModule expects residual streams [s, b, n*C] = "
@@ -129,6 +140,15 @@ class HyperConnectionModule(MegatronModule):
     def _ops(self, streams: Tensor):
         return select_ops(self.config.mhc_kernel_backend, streams, self.n)
 
+    def _op_input(self, streams: Tensor) -> tuple[Tensor, int | None]:
+        """``(x, n)`` as the ops take the streams: ``[s, b, n*C]`` as they are with ``n``;
+        broadcast streams ``[s, b, n, C]`` as tokens ``[s*b, n, C]`` (a view, stream stride 0
+        kept) with ``n`` None."""
+        if is_broadcast_streams(streams):
+            s, b, n, c = streams.shape
+            return streams.view(s * b, n, c), None
+        return streams, self.n
+
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings).
 
@@ -136,12 +156,15 @@ class HyperConnectionModule(MegatronModule):
         so no view node, in the autograd graph."""
         self._check_streams(streams)
         ops = self._ops(streams)
-        y, h_pre, h_post, h_res = ops.pre(streams, self.phi, self.alpha, self.bias,
+        x, n = self._op_input(streams)
+        y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps, n=self.n)
+                                          self.config.mhc_rms_eps, n=n)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
         # kept per-token mappings
-        record_as(y, ops.aggregate, streams, h_pre, n=self.n)
+        record_as(y, ops.aggregate, x, h_pre, n=n)
+        if n is None:  # broadcast streams: y [s*b, C] -> [s, b, C]
+            y = y.view(*streams.shape[:2], self.hidden_size)
         return y, StreamMappings(h_pre, h_post, h_res)
 
     def combine(
@@ -158,7 +181,7 @@ class HyperConnectionModule(MegatronModule):
         """
         f, f_bias = output_with_bias
         self._check_streams(streams)
-        if f.shape[:-1] != streams.shape[:-1] or f.shape[-1] != self.hidden_size:
+        if f.shape[:-1] != streams.shape[:2] or f.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"sublayer output {tuple(f.shape)} does not match the streams "
                 f"{tuple(streams.shape)} (expected [s, b, {self.hidden_size}]). Fix: the "
@@ -168,5 +191,10 @@ class HyperConnectionModule(MegatronModule):
         if training and dropout_prob > 0.0:
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
-        return run_recorded(self._ops(streams).combine, streams, f, f_bias, mappings.h_res,
-                            mappings.h_post, n=self.n)
+        x, n = self._op_input(streams)
+        if n is None:  # broadcast streams: tokens [s*b, n, C] in, [s, b, n*C] out
+            out = run_recorded(self._ops(streams).combine, x, f.reshape(-1, self.hidden_size),
+                               f_bias, mappings.h_res, mappings.h_post)
+            return out.view(*streams.shape[:2], self.n * self.hidden_size)
+        return run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
+                            mappings.h_post, n=n)

@@ -1,6 +1,10 @@
 """Where the residual streams begin and end: expand ``[s,b,C] -> [s,b,n*C]`` and contract.
 
-* Expand (start of the decoder, inside global layer 1): ``x_0 = [h, h, ..., h]``.
+* Expand (start of the decoder, inside global layer 1): ``x_0 = [h, h, ..., h]``. Layer 1
+  hands its first sublayer the n streams as a view of ``h`` (:func:`broadcast_streams`:
+  ``[s, b, n, C]`` with stream stride 0), which the mHC ops read as it is (the Triton
+  kernels load each token's row once for all n streams); the first combine writes the
+  first real streams ``[s, b, n*C]``. :func:`expand_streams` is the materialised copy.
 * Contract (the decoder's final norm, :class:`StreamContractingNorm`):
   ``h = norm(sum_i x_L[i])``. We normalise the sum (as the hyper-connection papers do).
 
@@ -32,14 +36,33 @@ def expand_streams(hidden_states: Tensor, n: int) -> Tensor:
     return hidden_states.unsqueeze(2).expand(s, b, n, c).reshape(s, b, n * c)
 
 
+def broadcast_streams(hidden_states: Tensor, n: int) -> Tensor:
+    """``[s, b, C]`` -> the n equal streams as a view ``[s, b, n, C]`` (stream stride 0, no
+    copy); the mHC modules take it in place of ``expand_streams(hidden_states, n)``. n=1:
+    ``hidden_states`` itself (one stream is ``[s, b, 1*C]`` already)."""
+    if n == 1:
+        return hidden_states
+    s, b, c = hidden_states.shape
+    return hidden_states.contiguous().unsqueeze(2).expand(s, b, n, c)
+
+
+def is_broadcast_streams(streams: Tensor) -> bool:
+    """True for a :func:`broadcast_streams` view ``[s, b, n, C]``."""
+    return streams.dim() == 4 and streams.stride(2) == 0
+
+
 def contract_streams(streams: Tensor, n: int) -> Tensor:
     """``[s, b, n*C]`` -> ``[s, b, C]``: the mean of the n streams, accumulated in fp32.
 
-    Returned in the streams' dtype; it cannot overflow it (``|mean| <= max_i |x_i|``).
+    Returned in the streams' dtype; it cannot overflow it (``|mean| <= max_i |x_i|``). One
+    pass each way: torch's reductions accumulate bf16/fp16 in fp32 (``at::acc_type``) and
+    write the result in the input's dtype, and the backward writes ``grad / n`` to each stream
+    once. (``mean(dtype=float32).to(dtype)`` would write and re-read an fp32 copy forward and
+    run the backward's n-fold expansion in fp32, then cast it: ~5x the bytes.)
+    ``tests/test_precision_extremes.py`` holds the fp32 accumulation to extreme streams.
     """
     s, b, nc = streams.shape
-    acc_dtype = torch.promote_types(streams.dtype, torch.float32)
-    return streams.view(s, b, n, nc // n).mean(dim=2, dtype=acc_dtype).to(streams.dtype)
+    return streams.view(s, b, n, nc // n).mean(dim=2)
 
 
 class StreamContractingNorm(MegatronModule):

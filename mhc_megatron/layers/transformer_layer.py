@@ -2,7 +2,11 @@
 
 Each layer has two residual sublayers (self-attention, MLP/MoE) and one
 :class:`HyperConnectionModule` for each. The residual state between layers is
-``[s, b, n*C]`` (stream-major); global layer 1 expands the embeddings ``[s, b, C]``.
+``[s, b, n*C]`` (stream-major); global layer 1 expands the embeddings ``[s, b, C]``: its
+first sublayer reads them as n equal streams through a view
+(:func:`~mhc_megatron.layers.streams.broadcast_streams`), and its combine writes the first
+``[s, b, n*C]``; with the streams offloaded (``attn_norm`` in ``offload_modules``) it
+materialises them (:func:`~mhc_megatron.layers.streams.expand_streams`).
 
 How it hooks into Megatron-Core 0.19 without copying its layer logic:
 ``TransformerLayer._forward_attention`` / ``_forward_mlp`` do
@@ -45,7 +49,11 @@ from mhc_megatron._logging import log_rank0
 from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule, StreamMappings
 from mhc_megatron.layers.stream_offload import StreamOffload, stream_offload_group
-from mhc_megatron.layers.streams import StreamContractingNorm, expand_streams
+from mhc_megatron.layers.streams import (
+    StreamContractingNorm,
+    broadcast_streams,
+    expand_streams,
+)
 from mhc_megatron.recompute.manager import manager_for, run_recorded
 
 logger = logging.getLogger(__name__)
@@ -179,6 +187,10 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                     f"feed layer 1 hidden states of width hidden_size={c}; later layers take "
                     f"the streams [s, b, {self.n}*{c}]."
                 )
+            if self.self_attn_bda.offload_group is None:
+                return broadcast_streams(hidden_states, self.n)  # a view: nothing to recompute
+            # offloaded streams are force-released after the combine: give them storage of
+            # their own, not the embeddings'
             return run_recorded(expand_streams, hidden_states, self.n)
         return hidden_states
 
