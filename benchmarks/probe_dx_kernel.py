@@ -106,8 +106,8 @@ def main():
 
         def run(kern=kern):
             kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, acc, dx, dphi, T, C, per,
-                                   HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec, X_BCAST=False,
-                                   num_warps=warps, num_stages=stages)
+                                   HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
+                                   X_BCAST=False, num_warps=warps, num_stages=stages)
         ms = bench(run)
         if name == "shipped":
             ref_dx, ref_dphi = dx.clone(), dphi.clone()
