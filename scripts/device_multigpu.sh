@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The 2-GPU host (nvidia-h200-x2) in phases, one call each; logs and a summary go to $OUT.
+# The 2-GPU host (nvidia-h200-x2), or the 4-GPU one (nvidia-h200-x4: the 3-D layouts), in
+# phases, one call each; logs and a summary go to $OUT.
 #   carry [".whl"] (+ TE, built first with ../shared/tools/te-on-gpu: export
 #   PYTHONPATH=/tmp/tebuild/site before calling this script, in the same command)
 #   PHASE=pretrain  examples/pretrain_gpt_mhc.py, ~113M-parameter GPT on the stdlib corpus over
 #                   NCCL, for each LAYOUT (default "tp2sp dp2"): baseline STEPS steps, and mHC
 #                   n=4 interrupted at STEPS/2 and resumed from its checkpoint.
 #                   tp2sp = TP=2 + sequence parallel (TE specs where TE is installed);
-#                   dp2 = DP=2 with Megatron's distributed optimiser; pp2 = PP=2 (1F1B).
+#                   dp2 = DP=2 with Megatron's distributed optimiser; pp2 = PP=2 (1F1B);
+#                   on 4 GPUs: tp2pp2 = TP=2 + SP x PP=2, pp2dp2 = PP=2 x DP=2 (dist. opt.).
 #   PHASE=dist      tests/test_distributed.py on the GPUs (TP/EP/checkpoint-resharding/CP
-#                   equivalence; with TE's specs and with Megatron's local modules).
-#   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter).
+#                   equivalence; with TE's specs and with Megatron's local modules; with 4
+#                   GPUs also TP=2 x PP=2).
+#   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter; with 4
+#                   GPUs also the 3-D layouts and the TP=2 x PP=2 checkpoint resharding).
 #   PHASE=ppcompare mHC n=4 at PP=2 against PP=1 from one checkpoint: a PP=1 run saves after
 #                   step 1; from it PP=1 trains to step 20 and PP=2 (1F1B, 4 micro-batches) to
 #                   STEPS; their per-micro-batch losses of steps 2-20 are compared (GPU weights
@@ -45,6 +49,8 @@ if [ "$PHASE" = pretrain ]; then
       tp2sp) PAR="--tensor-model-parallel-size 2 --sequence-parallel" ;;
       dp2) PAR="--use-distributed-optimizer" ;;
       pp2) PAR="--pipeline-model-parallel-size 2" ;;
+      tp2pp2) PAR="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2" ;;
+      pp2dp2) PAR="--pipeline-model-parallel-size 2 --use-distributed-optimizer" ;;
       *) echo "unknown layout $layout"; exit 2 ;;
     esac
     run() { torchrun --standalone --nproc-per-node="$NGPU" examples/pretrain_gpt_mhc.py $BASE $PAR "$@"; }

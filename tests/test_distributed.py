@@ -5,6 +5,7 @@ Set-ups (``tests/distributed/harness.py``):
 - ``cuda-te`` / ``cuda-local``: 2 GPUs over NCCL with the Triton kernels, with Transformer
   Engine's specs (where TE is installed) and with Megatron's local modules. Skipped with fewer
   than 2 CUDA devices.
+The 3-D layout (TP=2 x PP=2) runs on 4 ranks: 4 CPU processes, or 4 GPUs (skipped with fewer).
 """
 
 from __future__ import annotations
@@ -22,15 +23,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 needs_2_gpus_te = pytest.mark.skipif(torch.cuda.device_count() < 2 or not HAVE_TE,
                                      reason="needs 2 CUDA devices and Transformer Engine")
+needs_4_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+needs_4_gpus_te = pytest.mark.skipif(torch.cuda.device_count() < 4 or not HAVE_TE,
+                                     reason="needs 4 CUDA devices and Transformer Engine")
 SETUPS = ["cpu", pytest.param("cuda-local", marks=needs_2_gpus),
           pytest.param("cuda-te", marks=needs_2_gpus_te)]
+SETUPS_4 = ["cpu", pytest.param("cuda-local", marks=needs_4_gpus),
+            pytest.param("cuda-te", marks=needs_4_gpus_te)]
 ENV = {"cpu": {"MHC_DIST_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""},
        "cuda-local": {"MHC_DIST_DEVICE": "cuda", "MHC_DIST_TE": "0"},
        "cuda-te": {"MHC_DIST_DEVICE": "cuda", "MHC_DIST_TE": "1"}}
 
 
-def _torchrun(script: str, setup: str, *args: str, timeout: int = 600) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+def _torchrun(script: str, setup: str, *args: str, timeout: int = 600, nproc: int = 2) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--standalone", os.path.join(HERE, "distributed", script), *args]
     run = run_child(cmd, child_env(**ENV[setup]), timeout)
     assert run.returncode == 0, f"{script} [{setup}] failed (rc={run.returncode}):\n{run.stdout[-6000:]}"
@@ -38,8 +44,8 @@ def _torchrun(script: str, setup: str, *args: str, timeout: int = 600) -> str:
     return run.stdout
 
 
-def _expect(out: str, lines: list[str]) -> None:
-    for rank in (0, 1):
+def _expect(out: str, lines: list[str], ranks: int = 2) -> None:
+    for rank in range(ranks):
         for line in lines:
             assert re.search(rf"PASS rank={rank} {line}", out), f"missing 'PASS rank={rank} {line}':\n{out[-3000:]}"
 
@@ -98,3 +104,16 @@ def test_pipeline_parallel_matches_single_rank(setup):
                                        ("dense", None, True), ("dense", 2, True),
                                        ("moe", None, True), ("mtp", None, False),
                                        ("mtp", None, True))])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setup", SETUPS_4)
+def test_tensor_x_pipeline_parallel_matches_single_rank(setup):
+    """TP=2 x PP=2 on 4 ranks (1F1B, 4 micro-batches) == 1 rank: every micro-batch loss and
+    every gradient, mHC's included; dense without and with sequence parallelism, MoE with it,
+    with and without mHC recompute."""
+    out = _torchrun("parallel3d_equivalence.py", setup, nproc=4)
+    _expect(out, [f"tp=2 pp=2 kind={kind} sp={sp} recompute={rc} "
+                  for kind, sp, rc in (("dense", False, False), ("dense", True, False),
+                                       ("dense", True, True), ("moe", True, False),
+                                       ("moe", True, True))], ranks=4)
