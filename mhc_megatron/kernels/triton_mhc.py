@@ -4,7 +4,9 @@ Same math and layouts as :mod:`mhc_megatron.kernels.reference` (which they are t
 against): ``x [T, n, C]`` stream-major and contiguous, ``phi [m, n*C]``, ``alpha [3]``,
 ``bias [m]`` (``m = 2n + n^2``), mappings fp32. Supported: ``n`` in {1, 2, 4, 8}, any ``T``
 and ``C``, activations fp32 / bf16 / fp16, parameters of any float dtype (math in fp32).
-Non-contiguous inputs are made contiguous first (one copy).
+Non-contiguous inputs are made contiguous first (one copy), except streams that are one
+broadcast row a token (``[T, n, C]`` with stream stride 0, global layer 1's expansion): the
+kernels read those as they are (``X_BCAST``, ``triton_common.streams_operand``).
 
 Kernels (no float atomics anywhere: every reduction split across programs writes fp32
 partials that are summed in a fixed order, so results are bitwise identical run to run):

@@ -54,7 +54,7 @@ from mhc_megatron.layers.streams import (
     broadcast_streams,
     expand_streams,
 )
-from mhc_megatron.recompute.manager import manager_for, run_recorded
+from mhc_megatron.recompute.manager import manager_for
 
 logger = logging.getLogger(__name__)
 _said_mhc_off = False
@@ -190,8 +190,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             if self.self_attn_bda.offload_group is None:
                 return broadcast_streams(hidden_states, self.n)  # a view: nothing to recompute
             # offloaded streams are force-released after the combine: give them storage of
-            # their own, not the embeddings'
-            return run_recorded(expand_streams, hidden_states, self.n)
+            # their own, not the embeddings' (offloading excludes mhc_recompute: the config
+            # refuses the pair, so there is no recompute block to record this copy in)
+            return expand_streams(hidden_states, self.n)
         return hidden_states
 
     def _run_sublayer(self, parent_method, hyper_connection, combine, streams, *args, **kwargs):

@@ -5,8 +5,8 @@ for backward (by the next sublayer's "pre" and "combine"), i.e. ``n`` times a pl
 residual. With ``mhc_recompute=True`` the decoder's layers are grouped into blocks of
 ``config.mhc_recompute_block_size`` layers (``mhc_recompute_layer_num``, default eq. 20 of
 the paper: ``round(sqrt(n L / (n + 2)))``). Inside a block, the outputs of the mHC ops
-(stream expansion in layer 1, the aggregate ``y`` of "pre", the expand-combine) are
-not kept: each tensor that autograd would save and that is (a view of) such an output is
+(the aggregate ``y`` of "pre", the expand-combine; layer 1's stream expansion is a view of
+the embeddings, nothing to recompute) are not kept: each tensor that autograd would save and that is (a view of) such an output is
 replaced by a placeholder. The first time backward unpacks a placeholder of a block, one
 hook recomputes the block's mHC ops in forward order (each op's inputs are the block's
 input streams, already-recomputed outputs, and what is kept anyway: sublayer outputs ``f``
