@@ -32,6 +32,7 @@ from bench_mhc import bench  # noqa: E402
 from mhc_megatron.kernels.triton_common import (  # noqa: E402
     _log_normalize,
     _sinkhorn_log,
+    _sinkhorn_log_bwd,
     token_block,
 )
 
@@ -65,21 +66,9 @@ def _bwd_first(z_ptr, d_ptr, hist_ptr, out_ptr, T, iters, N: tl.constexpr, BT: t
     i = tl.arange(0, N)
     ij = i[:, None] * N + i[None, :]
     offs = t64[:, None, None] * (N * N) + ij[None, :, :]
-    L = tl.load(z_ptr + offs, mask=tmask[:, None, None], other=0.0)
-    for k in range(iters):
-        L = _log_normalize(L, 2)
-        tl.store(hist_ptr + (t64 + k * T)[:, None, None] * (N * N) + ij[None, :, :], L,
-                 mask=tmask[:, None, None])
-        L = _log_normalize(L, 1)
-    tl.debug_barrier()
-    G = tl.load(d_ptr + offs, mask=tmask[:, None, None], other=0.0) * tl.exp(L)
-    for kk in range(iters):
-        row = t64 + (iters - 1 - kk) * T
-        L_mid = tl.load(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :],
-                        mask=tmask[:, None, None], other=0.0)
-        L_out = _log_normalize(L_mid, 1)
-        G = G - tl.exp(L_out) * tl.expand_dims(tl.sum(G, axis=1), 1)
-        G = G - tl.exp(L_mid) * tl.expand_dims(tl.sum(G, axis=2), 2)
+    z = tl.load(z_ptr + offs, mask=tmask[:, None, None], other=0.0)
+    d = tl.load(d_ptr + offs, mask=tmask[:, None, None], other=0.0)
+    G = _sinkhorn_log_bwd(z, d, hist_ptr, t64, tmask, T, iters, N)  # the product's own
     tl.store(out_ptr + offs, G, mask=tmask[:, None, None])
 
 

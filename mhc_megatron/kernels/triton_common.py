@@ -83,6 +83,34 @@ def _sinkhorn_log(L, iters):
 
 
 @triton.jit
+def _sinkhorn_log_bwd(z, d_h, hist_ptr, t64, tmask, T, iters, N: tl.constexpr):
+    """The gradient of the logits ``z [BT, N, N]`` of ``exp(_sinkhorn_log(z, iters))`` given
+    the gradient ``d_h`` of that result (fp32, exact): the iterations are replayed once from
+    ``z``, each row-normalised state going to the scratch ``hist [iters, T, N*N]`` (rows
+    ``t64``, written and read back by this program), then walked in reverse. A forward step
+    ``L' = L - lse(L, axis)`` has ``dL = dL' - exp(L') * sum(dL', axis)``."""
+    i = tl.arange(0, N)
+    ij = i[:, None] * N + i[None, :]
+    L = z
+    for k in range(iters):
+        L = _log_normalize(L, 2)
+        row = t64 + k * T  # int64
+        tl.store(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :], L,
+                 mask=tmask[:, None, None])
+        L = _log_normalize(L, 1)
+    tl.debug_barrier()
+    G = d_h * tl.exp(L)
+    for kk in range(iters):
+        row = t64 + (iters - 1 - kk) * T
+        L_mid = tl.load(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :],
+                        mask=tmask[:, None, None], other=0.0)
+        L_out = _log_normalize(L_mid, 1)
+        G = G - tl.exp(L_out) * tl.expand_dims(tl.sum(G, axis=1), 1)
+        G = G - tl.exp(L_mid) * tl.expand_dims(tl.sum(G, axis=2), 2)
+    return G
+
+
+@triton.jit
 def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP: tl.constexpr):
     """Load Ht for a token block and return the pre/post/res logits (fp32)."""
     i = tl.arange(0, N)

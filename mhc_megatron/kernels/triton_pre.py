@@ -36,11 +36,11 @@ from mhc_megatron.kernels.triton_common import (
     TILES,
     _check,
     _dot_precision,
-    _log_normalize,
     _mapping_logits,
     _padded_m,
     _projection_splits_phi,
     _sinkhorn_log,
+    _sinkhorn_log_bwd,
     _splits,
     _sweep_bc,
     contiguous_f32,
@@ -177,9 +177,9 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
     ``red [program, MP]``, columns ``[0, M)`` the bias grads (sum of dz) and ``[M, M+3)``
     the alpha grads (sum of dz * Ht per pre / post / res group); the caller sums the rows.
 
-    The Sinkhorn iterations are replayed once from the logits, each row-normalised state
-    ``L_mid`` going to the scratch ``hist [iters, T, N*N]`` (fp32, written and read back
-    by the same program), then walked in reverse."""
+    The Sinkhorn backward (:func:`~mhc_megatron.kernels.triton_common._sinkhorn_log_bwd`)
+    replays the iterations once from the logits into the scratch ``hist [iters, T, N*N]``
+    (fp32, written and read back by the same program), then walks them in reverse."""
     t, tmask, t64 = token_block(T, BT)
     i = tl.arange(0, N)
     ij = i[:, None] * N + i[None, :]
@@ -198,26 +198,9 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
     d_post = tl.load(dhpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
     dz_post = d_post * 2.0 * s_post * (1.0 - s_post)
 
-    # Sinkhorn backward. Forward step L' = L - lse(L, axis) has dL = dL' - exp(L') * sum(dL', axis).
     d_res = tl.load(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
                     mask=tmask[:, None, None], other=0.0)
-    L = z_res
-    for k in range(iters):
-        L = _log_normalize(L, 2)
-        row = t64 + k * T  # int64
-        tl.store(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :], L,
-                 mask=tmask[:, None, None])
-        L = _log_normalize(L, 1)
-    tl.debug_barrier()
-    G = d_res * tl.exp(L)
-    for kk in range(iters):
-        row = t64 + (iters - 1 - kk) * T
-        L_mid = tl.load(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :],
-                        mask=tmask[:, None, None], other=0.0)
-        L_out = _log_normalize(L_mid, 1)
-        G = G - tl.exp(L_out) * tl.expand_dims(tl.sum(G, axis=1), 1)
-        G = G - tl.exp(L_mid) * tl.expand_dims(tl.sum(G, axis=2), 2)
-    dz_res = G
+    dz_res = _sinkhorn_log_bwd(z_res, d_res, hist_ptr, t64, tmask, T, iters, N)
 
     # masked tokens have dz = 0 (their upstream grads load as 0) and Ht = 0
     M: tl.constexpr = 2 * N + N * N
