@@ -55,7 +55,11 @@ def test_grads_equal_with_and_without_recompute(megatron_single_rank, block, kin
 def test_triton_backend_recompute_bitwise(megatron_single_rank, monkeypatch):
     """Deterministic Triton kernels (interpreter on CPU, compiled on GPU): bitwise equal.
     With and without recompute every combine hands its dx to pre's kernel (under recompute
-    nothing but the streams' base keeps pre's input view alive: the link must not need it)."""
+    nothing but the streams' base keeps pre's input view alive: the link must not need it).
+    The replay runs a combine and the next pre's aggregate of its output as one kernel
+    wherever both are replayed: blocks of layers {1, 2} and {3}; the combines whose output
+    the next aggregate reads inside the block are 3 and 1, less global layer 1's first (its
+    streams are a broadcast view of the embeddings and its output is read reshaped): 3."""
     from mhc_megatron.kernels.handoff import DxLink
 
     claims = []
@@ -73,6 +77,8 @@ def test_triton_backend_recompute_bitwise(megatron_single_rank, monkeypatch):
         loss.backward()
         runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
                      model))
+        if recompute:
+            assert manager_for(cfg).replays_fused == 3
     assert len(claims) == 2 * 2 * 3 and all(claims), claims  # runs x sublayers
     _assert_same(*runs)
 

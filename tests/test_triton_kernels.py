@@ -110,6 +110,43 @@ def test_combine_matches_reference(t, n, c, dtype, with_bias):
         assert rel_err(a, b) < TOL[dtype], f"{name}: rel err {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("t,n,c", GPU_SHAPES if CUDA else CPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_layout", ["tokens", "streams", "broadcast"])
+def test_combine_aggregate_equals_combine_then_aggregate(t, n, c, dtype, x_layout):
+    """``combine_aggregate`` (mhc_recompute's replay of a combine and of the next pre's
+    aggregate of its output, one kernel) returns bit for bit what ``combine`` and then
+    ``aggregate`` return: compiled too, where the two kernels' tiles and layouts differ (both
+    add the streams in order through one helper). The aggregate is held to the reference; the
+    op refuses to run where autograd would need it."""
+    if not CUDA and dtype == torch.float16 and n != 4:
+        pytest.skip("fp16 on the CPU interpreter: one shape is enough")
+    g = torch.Generator().manual_seed(7 * t + n + c)
+    x = torch.randn(t, n, c, generator=g).to(DEV, dtype)
+    if x_layout == "broadcast":  # global layer 1's first combine
+        x = x[:, :1].expand(t, n, c)
+    f = torch.randn(t, c, generator=g).to(DEV, dtype)
+    fb = torch.randn(c, generator=g).to(DEV, dtype) if t % 2 else None
+    h_res = ref.sinkhorn(torch.randn(t, n, n, generator=g), 20).to(DEV)
+    h_post = (2 * torch.rand(t, n, generator=g)).to(DEV)
+    h_next = torch.rand(t, n, generator=g).to(DEV)
+    kw = {}
+    if x_layout == "streams":  # [s, b, n*C] as the layers carry them
+        x, f, kw = x.reshape(t, 1, n * c), f.view(t, 1, c), {"n": n}
+    with torch.no_grad():
+        out = triton_mhc.combine(x, f, fb, h_res, h_post, **kw)
+        y = triton_mhc.aggregate(out, h_next, **kw)
+        out_fused, y_fused = triton_mhc.combine_aggregate(x, f, fb, h_res, h_post, h_next, **kw)
+    assert out_fused.shape == out.shape and y_fused.shape == y.shape and y_fused.dtype == dtype
+    assert torch.equal(out_fused, out)
+    assert torch.equal(y_fused, y)
+    out3 = out.reshape(t, n, c)
+    assert rel_err(y.reshape(t, c), ref.aggregate(out3, h_next)) < TOL[dtype]
+    with pytest.raises(RuntimeError, match="no backward"):
+        triton_mhc.combine_aggregate(x, f.detach().requires_grad_(), fb, h_res, h_post, h_next,
+                                     **kw)
+
+
 @pytest.mark.parametrize("t,n,c", [(37, 4, 48)] + ([(16384, 4, 2048)] if CUDA else []))
 def test_deterministic_bitwise(t, n, c):
     """Run to run bitwise equality; on the GPU also at a real size (hundreds of programs

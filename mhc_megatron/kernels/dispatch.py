@@ -86,10 +86,39 @@ def _load_triton_ops() -> MHCOps:
     global _triton_ops
     if _triton_ops is None:
         from mhc_megatron.kernels import triton_mhc
+        from mhc_megatron.recompute.manager import register_replay_fusion
 
         _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
                              aggregate=triton_mhc.aggregate)
+        register_replay_fusion(triton_mhc.combine, triton_mhc.aggregate,
+                               _replay_combine_aggregate)
     return _triton_ops
+
+
+def _replay_combine_aggregate(combine_args, combine_kwargs, geometry, aggregate_args,
+                              aggregate_kwargs):
+    """``mhc_recompute``'s replay of a Triton combine and of the next pre's aggregate of its
+    output as one kernel (``triton_mhc.combine_aggregate``: the combine's output is not read
+    back), when the aggregate took that output as it is: the combine's shape, contiguous,
+    and the same layout (``n``). Else None: the two ops are replayed apart."""
+    from mhc_megatron.kernels import triton_mhc
+
+    n = combine_kwargs.get("n")
+    x = combine_args[0]
+    if (len(combine_args) != 5 or set(combine_kwargs) - {"n"} or len(aggregate_args) != 1
+            or set(aggregate_kwargs) - {"n"} or aggregate_kwargs.get("n") != n
+            or geometry != (tuple(x.shape), _contiguous_strides(x.shape), 0)):
+        return None
+    out, y = triton_mhc.combine_aggregate(*combine_args, aggregate_args[0], n=n)
+    return (out,), (y,)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @functools.cache

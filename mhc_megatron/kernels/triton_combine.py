@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
-from mhc_megatron.kernels.reference import as_tokens
+from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     TILES,
+    _add_stream,
     _check,
     contiguous_f32,
     plan,
@@ -30,10 +31,15 @@ from mhc_megatron.kernels.triton_common import (
 
 
 @triton.jit
-def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
+def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_ptr, y_ptr, T, C,
                  HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 X_BCAST: tl.constexpr):
-    """out [T, N, C] = H_res x + H_post (f + bias); x may be broadcast (X_BCAST)."""
+                 X_BCAST: tl.constexpr, HAS_AGG: tl.constexpr):
+    """out [T, N, C] = H_res x + H_post (f + bias); x may be broadcast (X_BCAST).
+
+    HAS_AGG (the recompute's replay, :func:`combine_aggregate`): also the next pre's aggregate
+    of ``out`` as stored, ``y [T, C] = sum_i h_next[t, i] out[t, i, c]`` (``hnext [T, N]``
+    fp32), with the streams added in the order and by the helper of ``_aggregate_fwd``: the
+    same bits, and ``out`` is not read back."""
     t, tmask, t64 = token_block(T, BT)
     XT, XS = stream_strides(N, C, X_BCAST)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -50,8 +56,18 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, T, C,
         h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
                         mask=tmask[:, None], other=0.0)
         acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
-    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :], out,
+             mask=m2[:, None, :])
+    if HAS_AGG:
+        out = out.to(tl.float32)
+        y = tl.zeros([BT, BC], dtype=tl.float32)
+        for s in tl.static_range(N):
+            h_s = tl.load(hnext_ptr + t64 * N + s, mask=tmask, other=0.0)
+            # stream s of the tile, exactly (the other streams add zeros)
+            xs = tl.sum(tl.where(i[None, :, None] == s, out, 0.0), axis=1)
+            y = _add_stream(y, h_s, xs)
+        tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -106,7 +122,9 @@ class _CombinePlan:
         bc = min(bc, next_pow2(C))
         self.fwd_grid = (cdiv(T, bt), cdiv(C, bc))
         self.fwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, X_BCAST=bcast,
-                             num_warps=warps)
+                             HAS_AGG=False, num_warps=warps)
+        self.fwd_agg_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, X_BCAST=bcast,
+                                 HAS_AGG=True, num_warps=warps)
         bt, bc, warps = TILES.combine_bwd
         self.bwd_grid = (cdiv(T, bt),)
         self.bwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=min(bc, next_pow2(C)),
@@ -128,7 +146,7 @@ class _CombineFn(torch.autograd.Function):
         if T > 0:
             p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
             _FWD(p.fwd_grid, p.fwd_meta, x, f, f_bias if f_bias is not None else f, h_res,
-                 h_post, out, T, C)
+                 h_post, out, h_post, f, T, C)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
         ctx.n_streams = n_streams
         ctx.bcast = bcast
@@ -176,3 +194,28 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
         link = None
     return _CombineFn.apply(x, f, f_bias, h_res, h_post, link, n)
+
+
+def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
+    """``(x', y)``: :func:`combine` and then the next pre's aggregate of its output,
+    ``aggregate(x', h_pre, n)`` (:func:`~mhc_megatron.kernels.triton_pre.aggregate`), in one
+    pass, bit for bit equal to the two ops: ``x'`` is not read back. ``h_pre [T, n]`` is the
+    next pre's (fp32); ``y`` is ``[T, C]``, or ``[..., C]`` for the streams ``[..., n*C]``.
+    No autograd: ``mhc_recompute`` replays the pair with it in backward
+    (:func:`~mhc_megatron.recompute.register_replay_fusion`)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, f, f_bias, h_res, h_post, h_pre)):
+        raise RuntimeError("triton_mhc.combine_aggregate has no backward: it is the recompute's "
+                           "replay of a combine and the next aggregate. Fix: call it under "
+                           "torch.no_grad(), or use combine and pre.")
+    (x, bcast), f = streams_operand(x), f.contiguous()
+    T, n_streams, C = as_tokens(x, n).shape
+    _check(x, n_streams)
+    h_res, h_post, h_pre = contiguous_f32(h_res), contiguous_f32(h_post), contiguous_f32(h_pre)
+    out = x.new_empty(x.shape)
+    y = torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
+    if T > 0:
+        p = plan(_CombinePlan, T, n_streams, C, f_bias is not None, bcast)
+        _FWD(p.fwd_grid, p.fwd_agg_meta, x, f, f_bias if f_bias is not None else f, h_res,
+             h_post, out, h_pre, y, T, C)
+    return out, y

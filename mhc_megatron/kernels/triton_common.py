@@ -74,6 +74,16 @@ def stream_strides(N: tl.constexpr, C, X_BCAST: tl.constexpr):
 
 
 @triton.jit
+def _add_stream(y, h, xs):
+    """``y + h[:, None] * xs`` (fp32; ``h [BT]`` one stream's H_pre, ``xs [BT, BC]`` that
+    stream's values): the aggregate's one step a stream. Every kernel that forms ``y`` adds
+    the streams in stream order through this helper, elementwise, so their ``y`` agree bit
+    for bit whatever their tile shapes and layouts (a ``tl.sum`` over the stream axis would
+    order the additions by the layout)."""
+    return y + h[:, None] * xs
+
+
+@triton.jit
 def _sinkhorn_log(L, iters):
     """``iters`` row-then-column log-normalisations of ``L [BT, N, N]``."""
     for _ in range(iters):

@@ -15,7 +15,9 @@ partials that are summed in a fixed order, so results are bitwise identical run 
   squares, on a (token block x K split) grid), ``_mappings_fwd`` (per token: sum of the
   partials, RMS, sigmoids, log-domain Sinkhorn in registers), ``_aggregate_fwd``
   (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid).
-* ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``.
+* ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; with ``HAS_AGG`` also the next
+  pre's aggregate of ``x'`` (``combine_aggregate``: ``mhc_recompute``'s replay of the pair,
+  bit for bit the two ops, ``x'`` not read back).
 * ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
@@ -29,7 +31,7 @@ Layout: kernels, launch plans and autograd functions per op in
 shared tiles, precisions and Sinkhorn helpers in :mod:`~mhc_megatron.kernels.triton_common`;
 the launch path in :mod:`~mhc_megatron.kernels.launch` (the compiled kernels are called
 directly once a launch shape has been seen: a fraction of Triton's per-launch host work).
-This module is the entry point: ``pre``, ``combine``, ``aggregate``.
+This module is the entry point: ``pre``, ``combine``, ``aggregate``, ``combine_aggregate``.
 
 x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
 combine's dx (written by its backward) is added inside pre's dx kernel, so autograd gets one
@@ -44,7 +46,13 @@ x, phi rounded to TF32); fp32 x with 3xTF32. The backward dots use TF32 (16-bit 
 
 from __future__ import annotations
 
-from mhc_megatron.kernels.triton_combine import _combine_bwd, _combine_fwd, _CombineFn, combine
+from mhc_megatron.kernels.triton_combine import (
+    _combine_bwd,
+    _combine_fwd,
+    _CombineFn,
+    combine,
+    combine_aggregate,
+)
 from mhc_megatron.kernels.triton_common import (
     SUPPORTED_DTYPES,
     SUPPORTED_STREAMS,
@@ -69,7 +77,7 @@ from mhc_megatron.kernels.triton_pre import (
 )
 
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_STREAMS", "TILES", "KernelTiles", "aggregate",
-           "combine", "pre", "_PreFn", "_CombineFn", "_aggregate_fwd", "_combine_bwd",
-           "_combine_fwd", "_dhpre_partial", "_mappings_bwd", "_mappings_fwd", "_param_grads",
-           "_pre_dx_dphi", "_proj_partial", "_dot_precision", "_padded_m", "_splits",
-           "_sweep_bc"]
+           "combine", "combine_aggregate", "pre", "_PreFn", "_CombineFn", "_aggregate_fwd",
+           "_combine_bwd", "_combine_fwd", "_dhpre_partial", "_mappings_bwd", "_mappings_fwd",
+           "_param_grads", "_pre_dx_dphi", "_proj_partial", "_dot_precision", "_padded_m",
+           "_splits", "_sweep_bc"]

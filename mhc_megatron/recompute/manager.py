@@ -181,14 +181,41 @@ class _BlockState:
                     else contextlib.nullcontext())
         with torch.no_grad(), autocast:
             for op in sorted(needed):
+                if op in outputs:  # replayed with the op before it (_replay_fused)
+                    continue
                 fn, args, kwargs = self.ops[op]
                 args = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args]
-                out = fn(*args, **kwargs)
-                outputs[op] = out if isinstance(out, tuple) else (out,)
+                if not self._replay_fused(op, fn, args, kwargs, needed, outputs):
+                    out = fn(*args, **kwargs)
+                    outputs[op] = out if isinstance(out, tuple) else (out,)
         self.outputs = outputs
         self.manager.blocks_recomputed += 1
         self.manager.ops_recomputed += len(needed)
         return outputs
+
+    def _replay_fused(self, op: int, fn: Callable, args: list, kwargs: dict, needed: set,
+                      outputs: dict) -> bool:
+        """Replay op ``op`` together with op ``op + 1`` through a registered fusion
+        (:func:`register_replay_fusion`) when the next op is needed, is the fusion's second
+        function, and takes this op's first output as its first argument (any view of it:
+        the fusion decides from the view's geometry). True when done (both outputs stored)."""
+        fusion = _REPLAY_FUSIONS.get(fn)
+        nxt = op + 1
+        if fusion is None or nxt not in needed:
+            return False
+        fn2, args2, kwargs2 = self.ops[nxt]
+        view = args2[0] if args2 else None
+        if (fn2 is not fusion.second or not isinstance(view, _OutputView) or view.op != op
+                or view.index != 0
+                or any(isinstance(a, _OutputView) and a.op == op for a in args2[1:])):
+            return False
+        rest = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args2[1:]]
+        done = fusion.fused(args, kwargs, (view.size, view.stride, view.offset), rest, kwargs2)
+        if done is None:
+            return False
+        outputs[op], outputs[nxt] = done
+        self.manager.replays_fused += 1
+        return True
 
 
 class MHCRecomputeManager:
@@ -197,7 +224,8 @@ class MHCRecomputeManager:
     One manager is shared by the layers built from one config (:func:`manager_for`).
     Each :class:`HyperConnectionTransformerLayer` runs its forward inside
     :meth:`layer_scope`; its hyper-connection ops go through :func:`run_recorded`.
-    ``blocks_recomputed`` / ``ops_recomputed`` count the backward hooks (for tests and logs).
+    ``blocks_recomputed`` / ``ops_recomputed`` / ``replays_fused`` count the backward hooks
+    work (for tests and logs).
     """
 
     def __init__(self, block_size: int):
@@ -212,6 +240,7 @@ class MHCRecomputeManager:
         self._current: weakref.ref | None = None
         self.blocks_recomputed = 0
         self.ops_recomputed = 0
+        self.replays_fused = 0  # pairs of ops replayed as one (register_replay_fusion)
         self.full_lookups = 0  # saved tensors that needed more than the address-range check
 
     def block_of(self, layer_number: int, chunk_offset: int = 0) -> tuple[int, int]:
@@ -266,6 +295,27 @@ def record_as(outputs, fn: Callable, *args: Any, **kwargs: Any) -> None:
     state = _ACTIVE_BLOCK.get()
     if state is not None and torch.is_grad_enabled():
         state.record(fn, args, kwargs, outputs)
+
+
+@dataclass(frozen=True)
+class _ReplayFusion:
+    second: Callable
+    fused: Callable
+
+
+_REPLAY_FUSIONS: dict[Callable, _ReplayFusion] = {}
+
+
+def register_replay_fusion(first: Callable, second: Callable, fused: Callable) -> None:
+    """Let the replay run a recorded ``first`` op and the ``second`` op recorded right after
+    it, whose first argument is (a view of) ``first``'s first output, as one call:
+    ``fused(first_args, first_kwargs, (size, stride, offset), second_rest_args,
+    second_kwargs)`` (the geometry is that of the view ``second`` took; ``second_rest_args``
+    its other arguments) returns ``(first_outputs, second_outputs)`` as tuples, bit for bit
+    what the two calls return, or None where it cannot (then the two ops run apart). A
+    backend registers its fused kernels here (the Triton backend: combine, then the next
+    pre's aggregate, without reading the combine's output back)."""
+    _REPLAY_FUSIONS[first] = _ReplayFusion(second, fused)
 
 
 _MANAGERS: dict[int, MHCRecomputeManager] = {}
