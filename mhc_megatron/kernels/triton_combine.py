@@ -20,7 +20,7 @@ from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
 from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     TILES,
-    _add_stream,
+    _aggregate_tile,
     _check,
     contiguous_f32,
     plan,
@@ -37,9 +37,9 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_pt
     """out [T, N, C] = H_res x + H_post (f + bias); x may be broadcast (X_BCAST).
 
     HAS_AGG (the recompute's replay, :func:`combine_aggregate`): also the next pre's aggregate
-    of ``out`` as stored, ``y [T, C] = sum_i h_next[t, i] out[t, i, c]`` (``hnext [T, N]``
-    fp32), with the streams added in the order and by the helper of ``_aggregate_fwd``: the
-    same bits, and ``out`` is not read back."""
+    of ``out``, ``y [T, C] = sum_i h_next[t, i] out[t, i, c]`` (``hnext [T, N]`` fp32), by
+    the helper of ``_aggregate_fwd`` (the same bits) on the tile this program just stored,
+    read back from cache: ``out`` makes no second trip through memory."""
     t, tmask, t64 = token_block(T, BT)
     XT, XS = stream_strides(N, C, X_BCAST)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -56,17 +56,11 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_pt
         h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
                         mask=tmask[:, None], other=0.0)
         acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :], out,
-             mask=m2[:, None, :])
+    tl.store(out_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
     if HAS_AGG:
-        out = out.to(tl.float32)
-        y = tl.zeros([BT, BC], dtype=tl.float32)
-        for s in tl.static_range(N):
-            h_s = tl.load(hnext_ptr + t64 * N + s, mask=tmask, other=0.0)
-            # stream s of the tile, exactly (the other streams add zeros)
-            xs = tl.sum(tl.where(i[None, :, None] == s, out, 0.0), axis=1)
-            y = _add_stream(y, h_s, xs)
+        tl.debug_barrier()  # the tile's x' is read back (from cache) as the aggregate reads it
+        y = _aggregate_tile(out_ptr, hnext_ptr, t64, tmask, c, m2, K, C, N, BT, BC)
         tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 

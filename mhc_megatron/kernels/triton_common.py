@@ -74,13 +74,20 @@ def stream_strides(N: tl.constexpr, C, X_BCAST: tl.constexpr):
 
 
 @triton.jit
-def _add_stream(y, h, xs):
-    """``y + h[:, None] * xs`` (fp32; ``h [BT]`` one stream's H_pre, ``xs [BT, BC]`` that
-    stream's values): the aggregate's one step a stream. Every kernel that forms ``y`` adds
-    the streams in stream order through this helper, elementwise, so their ``y`` agree bit
-    for bit whatever their tile shapes and layouts (a ``tl.sum`` over the stream axis would
-    order the additions by the layout)."""
-    return y + h[:, None] * xs
+def _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N: tl.constexpr,
+                    BT: tl.constexpr, BC: tl.constexpr):
+    """``y [BT, BC] = sum_i h_pre[t, i] x[t, i, c]`` (fp32) for the tokens ``t64`` and
+    channels ``c`` of the streams at ``x_ptr`` (token stride ``XT``, stream stride ``XS``),
+    the streams loaded and added one by one in stream order. Every kernel that forms pre's
+    ``y`` does it through this helper, so that they agree bit for bit whatever their tiles
+    (a ``tl.sum`` over a stream axis would order the additions by the tile's layout)."""
+    y = tl.zeros([BT, BC], dtype=tl.float32)
+    for s in tl.static_range(N):
+        h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
+        xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        y += h_s[:, None] * xs
+    return y
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
-    _add_stream,
+    _aggregate_tile,
     _check,
     _dot_precision,
     _mapping_logits,
@@ -132,19 +132,14 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
 @triton.jit
 def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C, N: tl.constexpr, BT: tl.constexpr,
                    BC: tl.constexpr, X_BCAST: tl.constexpr):
-    """y[t, c] = sum_i h_pre[t, i] x[t, i, c] on a (token, channel) grid, the streams added
-    in order (:func:`~mhc_megatron.kernels.triton_common._add_stream`: the same bits as the
-    fused replay of the recompute, ``_combine_fwd`` with ``HAS_AGG``)."""
+    """y[t, c] = sum_i h_pre[t, i] x[t, i, c] on a (token, channel) grid
+    (:func:`~mhc_megatron.kernels.triton_common._aggregate_tile`: the same bits as the fused
+    replay of the recompute, ``_combine_fwd`` with ``HAS_AGG``)."""
     XT, XS = stream_strides(N, C, X_BCAST)
     t, tmask, t64 = token_block(T, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     m2 = tmask[:, None] & (c < C)[None, :]
-    y = tl.zeros([BT, BC], dtype=tl.float32)
-    for s in tl.static_range(N):
-        h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
-        xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
-                     other=0.0).to(tl.float32)
-        y = _add_stream(y, h_s, xs)
+    y = _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N, BT, BC)
     tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
