@@ -68,8 +68,12 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_pt
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                  dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
                  HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 X_BCAST: tl.constexpr):
-    """dx [T, N, C], df, dH_post, dH_res for a token block; x may be broadcast (X_BCAST)."""
+                 X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """dx [T, N, C], df, dH_post, dH_res for a token block; x may be broadcast (X_BCAST).
+
+    The channel loop is software-pipelined (``LOOP_STAGES``: the next steps' loads are in
+    flight while a step computes; Triton pipelines a loop without ``tl.dot`` only when the
+    loop itself asks for it, not from the launch's ``num_stages``)."""
     t, tmask, t64 = token_block(T, BT)
     K = N * C
     XT, XS = stream_strides(N, C, X_BCAST)
@@ -77,7 +81,7 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
     h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
     d_post = tl.zeros([BT, N], dtype=tl.float32)
     d_res = tl.zeros([BT, N, N], dtype=tl.float32)
-    for c0 in range(0, C, BC):
+    for c0 in tl.range(0, C, BC, num_stages=LOOP_STAGES):
         c = c0 + tl.arange(0, BC)
         m2 = tmask[:, None] & (c < C)[None, :]
         g3 = tl.load(g_ptr + t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :],
@@ -119,10 +123,10 @@ class _CombinePlan:
                              HAS_AGG=False, num_warps=warps)
         self.fwd_agg_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, X_BCAST=bcast,
                                  HAS_AGG=True, num_warps=warps)
-        bt, bc, warps = TILES.combine_bwd
+        bt, bc, warps, stages = TILES.combine_bwd
         self.bwd_grid = (cdiv(T, bt),)
         self.bwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=min(bc, next_pow2(C)),
-                             X_BCAST=bcast, num_warps=warps)
+                             X_BCAST=bcast, LOOP_STAGES=stages, num_warps=warps)
 
 
 class _CombineFn(torch.autograd.Function):
