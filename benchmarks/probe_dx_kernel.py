@@ -11,6 +11,10 @@ written to a temporary module and compiled; the product code is not touched:
   dP is kept alive by a column sum folded into dphi, a cross-warp reduction that is not free
   itself (``no dphi dot`` runs slower than ``shipped``), so this time is an upper bound of
   the streaming part;
+* ``plain loop``: the kernel before 2026-11-25, its token loop a plain ``range``, where the
+  launch's ``num_stages`` pipelines only the loads that feed a dot (dP, x), not dy and the
+  combine's dx; the shipped kernel pipelines the loop as a whole (``tl.range(...,
+  num_stages=TILES.dx[3])``); ``loop stages 2``: the same with 2 stages;
 * ``dphi transposed``: ``dphi^T += x^T dP`` (channels as the dot's M dimension), and the same
   with x as bf16 and dP split into bf16 hi + lo;
 * ``copy``: torch's device copy of the same bytes (read 3 x-sized + y-sized, write 1).
@@ -38,6 +42,8 @@ from mhc_megatron.kernels import triton_mhc as tm  # noqa: E402
 
 DX_DOT = "tl.dot(dp, ph, input_precision=PREC) + "
 DPHI_DOT = "dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)"
+LOOP = "for t0 in tl.range(t_start, t_start + TOKENS_PER_SPLIT, BT, num_stages=LOOP_STAGES):"
+LOOP_STAGED = "for t0 in tl.range(t_start, t_start + TOKENS_PER_SPLIT, BT, num_stages={}):"
 KEEP_DP = "dphi += tl.sum(dp, axis=0)[:, None] * 0.0  # dP stays loaded"
 VARIANTS = {
     "shipped": [],
@@ -46,6 +52,10 @@ VARIANTS = {
     "no dots": [(DX_DOT, ""), (DPHI_DOT, KEEP_DP)],
     # dphi^T = x^T dP: the token axis as K, the channel block (not the 32 padded mapping
     # columns) as the dot's M, so the dot can take Hopper's 64-row tensor-core path
+    # the token loop software-pipelined as a whole: the launch's num_stages pipelines only the
+    # loads that feed a tl.dot (dP, x), not dy and the combine's dx
+    "plain loop": [(LOOP, "for t0 in range(t_start, t_start + TOKENS_PER_SPLIT, BT):")],
+    "loop stages 2": [(LOOP, LOOP_STAGED.format(2))],
     "dphi transposed": [("dphi = tl.zeros([MP, BC]", "dphi = tl.zeros([BC, MP]"),
                         (DPHI_DOT, "dphi = tl.dot(tl.trans(xs), dp, dphi, input_precision=PREC)"),
                         ("k[None, :], dphi,", "k[None, :], tl.trans(dphi),")],
@@ -107,11 +117,12 @@ def main():
         def run(kern=kern):
             kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, acc, dx, dphi, T, C, per,
                                    HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
-                                   X_BCAST=False, num_warps=warps, num_stages=stages)
+                                   X_BCAST=False, LOOP_STAGES=stages, num_warps=warps,
+                                   num_stages=stages)
         ms = bench(run)
         if name == "shipped":
             ref_dx, ref_dphi = dx.clone(), dphi.clone()
-        elif name.startswith("dphi"):  # same results as the shipped kernel?
+        elif name.startswith(("dphi", "loop", "plain")):  # same results as the shipped kernel?
             run()
             err = ((dphi - ref_dphi).norm() / ref_dphi.norm()).item()
             assert torch.equal(dx, ref_dx) and err < 1e-2, (name, err)

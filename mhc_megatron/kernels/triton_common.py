@@ -168,7 +168,7 @@ class KernelTiles:
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4, 2)     # (tokens, channels per step, warps, loop stages)
-    dx: tuple = (64, 64, 4, 3)              # dx + dphi: (tokens/step, channels, warps, stages)
+    dx: tuple = (64, 64, 4, 3)              # dx + dphi: (tokens/step, channels, warps, loop stages)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)

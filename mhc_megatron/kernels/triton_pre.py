@@ -238,14 +238,17 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
                  T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 PREC: tl.constexpr, X_BCAST: tl.constexpr):
+                 PREC: tl.constexpr, X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
     Program (stream s, channel block, token split) walks its tokens:
     ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
     (+ acc[t, s, c], the combine's dx, when HAS_ACC)`` and accumulates
     ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
-    fastest in the launch order, so the N programs sharing a dy tile run together (L2)."""
+    fastest in the launch order, so the N programs sharing a dy tile run together (L2).
+    The token loop is software-pipelined as a whole (``LOOP_STAGES``): the launch's
+    ``num_stages`` would pipeline only the loads that feed a ``tl.dot`` (dP, x), not those of
+    dy and the combine's dx (measured: 0.216 -> 0.165 ms at 4096 x 4096 on an H100)."""
     s = tl.program_id(0) % N
     c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
     split = tl.program_id(1)
@@ -258,7 +261,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
                  mask=(mcol[:, None] < M) & cmask[None, :], other=0.0).to(tl.float32)
     dphi = tl.zeros([MP, BC], dtype=tl.float32)
     t_start = split * TOKENS_PER_SPLIT
-    for t0 in range(t_start, t_start + TOKENS_PER_SPLIT, BT):
+    for t0 in tl.range(t_start, t_start + TOKENS_PER_SPLIT, BT, num_stages=LOOP_STAGES):
         t = t0 + tl.arange(0, BT)
         tmask = t < T
         t64 = t.to(tl.int64)
@@ -370,7 +373,7 @@ class _PreBackwardPlan:
         self.dx_grid = (dx_blocks, self.dx_splits)
         self.dx_meta = Meta(HAS_ACC=has_acc, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
                             PREC=_dot_precision(dtype, forced), X_BCAST=bcast,
-                            num_warps=warps_dx, num_stages=stages_dx)
+                            LOOP_STAGES=stages_dx, num_warps=warps_dx, num_stages=stages_dx)
         mk = self.m * self.K
         self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
         self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK,
