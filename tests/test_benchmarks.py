@@ -73,3 +73,13 @@ def test_probe_sinkhorn_kernels_equal_the_reference():
     out = run_script("benchmarks/probe_sinkhorn.py", "--check", env={"TRITON_INTERPRET": "1"})
     assert "probe kernels equal the reference Sinkhorn" in out
 
+
+
+def test_probe_combine_bwd_variants_agree_with_the_shipped_kernel():
+    """The probe's ``--check`` (interpreter) holds the shipped combine backward to torch math
+    and every variant it times to the shipped kernel: none WRONG, none FAILED to build."""
+    out = run_script("benchmarks/probe_combine_bwd.py", "--check", env={"TRITON_INTERPRET": "1"})
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert len(rows) >= 2 * 40, out[-2000:]  # two sizes, every variant
+    assert all(row.rstrip(" |").split("|")[-1].strip().startswith("dx, df") for row in rows), \
+        [row for row in rows if "WRONG" in row or "FAILED" in row]
