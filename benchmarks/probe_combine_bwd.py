@@ -34,11 +34,7 @@ GB/s counts the floor: read g, x [T, n, C] and f [T, C], write dx and df.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import sys
-import tempfile
-import textwrap
 
 import torch
 import triton
@@ -47,6 +43,7 @@ import triton.language as tl
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_mhc import bench, copy_bandwidth  # noqa: E402
+from kernel_variants import edited_kernel  # noqa: E402
 from mhc_megatron.kernels import triton_combine as tc  # noqa: E402
 from mhc_megatron.kernels.launch import cdiv, next_pow2  # noqa: E402
 from mhc_megatron.kernels.triton_common import TILES, stream_strides, token_block  # noqa: E402
@@ -67,20 +64,9 @@ HOIST = [(LOOP, "h_all = tl.load(hres_ptr + t64[:, None, None] * (N * N) + (i[:,
 
 
 def kernel_variant(edits):
-    """Compile ``_combine_bwd`` with ``edits`` (old, new) applied to its source."""
-    src = textwrap.dedent(inspect.getsource(tc._combine_bwd.fn))
-    for old, new in edits:
-        assert src.count(old) == 1, old
-        src = src.replace(old, new)
-    module_src = ("import triton\nimport triton.language as tl\nfrom mhc_megatron.kernels."
-                  "triton_common import stream_strides, token_block\n\n\n" + src)
-    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    path.write(module_src)
-    path.close()
-    spec = importlib.util.spec_from_file_location(f"combine_variant_{abs(hash(src))}", path.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._combine_bwd
+    """``_combine_bwd`` with ``edits`` (old, new) applied to its source."""
+    return edited_kernel(tc._combine_bwd, edits, "from mhc_megatron.kernels.triton_common "
+                         "import stream_strides, token_block")
 
 
 @triton.jit

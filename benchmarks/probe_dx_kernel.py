@@ -25,12 +25,8 @@ written to a temporary module and compiled; the product code is not touched:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import os
 import sys
-import tempfile
-import textwrap
 
 import torch
 import triton
@@ -38,6 +34,7 @@ import triton
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
 from bench_mhc import bench, copy_bandwidth  # noqa: E402
+from kernel_variants import edited_kernel  # noqa: E402
 from mhc_megatron.kernels import triton_mhc as tm  # noqa: E402
 
 DX_DOT = "tl.dot(dp, ph, input_precision=PREC) + "
@@ -69,20 +66,9 @@ VARIANTS = {
 
 
 def kernel_variant(edits):
-    """Compile ``_pre_dx_dphi`` with ``edits`` (old, new) applied to its source."""
-    src = textwrap.dedent(inspect.getsource(tm._pre_dx_dphi.fn))
-    for old, new in edits:
-        assert old in src, old
-        src = src.replace(old, new)
-    module_src = ("import triton\nimport triton.language as tl\n"  # src has @triton.jit
-                  "from mhc_megatron.kernels.triton_common import stream_strides\n\n\n" + src)
-    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    path.write(module_src)
-    path.close()
-    spec = importlib.util.spec_from_file_location(f"dx_variant_{abs(hash(src))}", path.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._pre_dx_dphi
+    """``_pre_dx_dphi`` with ``edits`` (old, new) applied to its source."""
+    return edited_kernel(tm._pre_dx_dphi, edits,
+                         "from mhc_megatron.kernels.triton_common import stream_strides")
 
 
 def main():
