@@ -83,3 +83,11 @@ def test_probe_combine_bwd_variants_agree_with_the_shipped_kernel():
     assert len(rows) >= 2 * 40, out[-2000:]  # two sizes, every variant
     assert all(row.rstrip(" |").split("|")[-1].strip().startswith("dx, df") for row in rows), \
         [row for row in rows if "WRONG" in row or "FAILED" in row]
+
+
+def test_probe_pre_loops_variants_agree_with_the_shipped_kernels():
+    """``probe_pre_loops.py --check`` (interpreter): every variant of ``_dhpre_partial`` and
+    ``_proj_partial`` it times gives the shipped kernel's partials."""
+    out = run_script("benchmarks/probe_pre_loops.py", "--check", env={"TRITON_INTERPRET": "1"})
+    rows = table_rows(out, "_dhpre_partial") + table_rows(out, "_proj_partial")
+    assert len(rows) == 2 * 5, out[-2000:]
