@@ -159,7 +159,10 @@ class KernelTiles:
     short sequences (``benchmarks/probe_sinkhorn.py``). n=8 pads the mapping to 128 columns
     and needs smaller projection tiles to fit shared memory. Reductions over K / C / T are
     split across programs (fp32 partials, summed in a fixed order) so that about
-    ``target_programs`` programs are in flight."""
+    ``target_programs`` programs are in flight. "loop stages": the streaming loops of the
+    combine's backward and of pre's dx pass are software-pipelined as a whole
+    (``tl.range(..., num_stages=...)``); a launch's ``num_stages`` pipelines only the loads
+    that feed a ``tl.dot`` (``benchmarks/probe_combine_bwd.py``, ``probe_dx_kernel.py``)."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
