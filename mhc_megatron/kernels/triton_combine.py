@@ -129,6 +129,21 @@ class _CombinePlan:
                              X_BCAST=bcast, LOOP_STAGES=stages, num_warps=warps)
 
 
+def _launch_combine(x, f, f_bias, h_res, h_post, out, bcast, h_next=None, y=None) -> None:
+    """``out = H_res x + H_post (f + f_bias)`` for ``x [T, n, C]`` as :func:`streams_operand`
+    returns it (``bcast``), fp32 mappings (T > 0); with ``h_next`` also the next pre's
+    aggregate of ``out`` into ``y`` (``HAS_AGG``). The one launch of the combine's forward,
+    shared by the autograd op and the recompute's fused replay: the same tiles, so the same
+    ``out``."""
+    T, n, C = x.shape
+    p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
+    fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
+    if h_next is None:  # HAS_AGG off: h_next / y unread
+        _FWD(p.fwd_grid, p.fwd_meta, x, f, fb, h_res, h_post, out, h_post, f, T, C)
+    else:
+        _FWD(p.fwd_grid, p.fwd_agg_meta, x, f, fb, h_res, h_post, out, h_next, y, T, C)
+
+
 class _CombineFn(torch.autograd.Function):
     """``x`` is ``[T, n, C]`` and ``f [T, C]`` (``n_streams`` None), or the streams
     ``[..., n*C]`` and ``f [..., C]``; the output has ``x``'s shape."""
@@ -142,9 +157,7 @@ class _CombineFn(torch.autograd.Function):
         h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
         out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         if T > 0:
-            p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
-            _FWD(p.fwd_grid, p.fwd_meta, x, f, f_bias if f_bias is not None else f, h_res,
-                 h_post, out, h_post, f, T, C)
+            _launch_combine(as_tokens(x, n_streams), f, f_bias, h_res, h_post, out, bcast)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
         ctx.n_streams = n_streams
         ctx.bcast = bcast
@@ -213,7 +226,5 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
     out = x.new_empty(x.shape)
     y = torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        p = plan(_CombinePlan, T, n_streams, C, f_bias is not None, bcast)
-        _FWD(p.fwd_grid, p.fwd_agg_meta, x, f, f_bias if f_bias is not None else f, h_res,
-             h_post, out, h_pre, y, T, C)
+        _launch_combine(as_tokens(x, n), f, f_bias, h_res, h_post, out, bcast, h_pre, y)
     return out, y

@@ -192,9 +192,8 @@ class HyperConnectionModule(MegatronModule):
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
         x, n = self._op_input(streams)
-        if n is None:  # broadcast streams: tokens [s*b, n, C] in, [s, b, n*C] out
-            out = run_recorded(self._ops(streams).combine, x, f.reshape(-1, self.hidden_size),
-                               f_bias, mappings.h_res, mappings.h_post)
-            return out.view(*streams.shape[:2], self.n * self.hidden_size)
-        return run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
-                            mappings.h_post, n=n)
+        if n is None:  # broadcast streams: tokens [s*b, n, C] in (f too), [s, b, n*C] out
+            f = f.reshape(-1, self.hidden_size)
+        out = run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
+                           mappings.h_post, n=n)
+        return out if n is not None else out.view(*streams.shape[:2], self.n * self.hidden_size)
