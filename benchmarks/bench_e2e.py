@@ -57,6 +57,10 @@ script, so no memory, CUDA graph or Megatron state of one run reaches the next (
 0.19.2 keeps an MoE model in its DDP alive after a forward with grad; in one process the MoE
 runs of ``--graphs`` then run out of memory).
 
+Python's automatic garbage collection is off during the timed steps (collected before them),
+as in Megatron's training loop with ``--manual-gc``: its pauses land at random in a step, and
+more so in the MoE models' host-bound steps; ``--auto-gc`` leaves it on.
+
 ``--smoke`` shrinks every config to a few layers of width 64 (CPU or GPU): a check that the
 script runs, not a measurement.
 """
@@ -114,6 +118,9 @@ def parse_args(argv=None):
                    help="build every run's model first, then time them in ROUNDS alternating "
                         "rounds of --steps steps (median of the round medians): a host-bound "
                         "config's drift hits every run alike; not with --graphs / --profile")
+    p.add_argument("--auto-gc", action="store_true",
+                   help="leave Python's automatic garbage collection on in the timed steps "
+                        "(default off, collected before them, as Megatron's --manual-gc)")
     p.add_argument("--child-run", default=None, help=argparse.SUPPRESS)  # internal: one run
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
@@ -227,8 +234,13 @@ def make_step(model, shape: dict, spec: str, device, graphs: bool = False):
     return step
 
 
+MANUAL_GC = True  # --auto-gc turns it off
+
+
 def measure(step, tokens: int, steps: int, warmup: int) -> dict:
-    """Median time of ``step`` and the peak memory allocated during one step."""
+    """Median time of ``step`` and the peak memory allocated during one step. Python's
+    automatic garbage collection is off during the timed steps (collected before them), as
+    in Megatron's training loop with ``--manual-gc``; ``--auto-gc`` leaves it on."""
     for _ in range(warmup):  # Triton compiles; grads allocated
         step()
     _sync()
@@ -241,12 +253,20 @@ def measure(step, tokens: int, steps: int, warmup: int) -> dict:
         _sync()
         peak = (torch.cuda.max_memory_allocated() - before) / GIB
     times = []
-    for _ in range(steps):
-        _sync()
-        start = time.perf_counter()
-        step()
-        _sync()
-        times.append(1e3 * (time.perf_counter() - start))
+    gc.collect()
+    auto_gc = gc.isenabled()
+    if MANUAL_GC:  # as Megatron's --manual-gc: no collector pauses inside the timed steps
+        gc.disable()
+    try:
+        for _ in range(steps):
+            _sync()
+            start = time.perf_counter()
+            step()
+            _sync()
+            times.append(1e3 * (time.perf_counter() - start))
+    finally:
+        if auto_gc:
+            gc.enable()
     ms = statistics.median(times)
     return {"ms": ms, "tokens_s": tokens / ms * 1e3, "peak_gib": peak}
 
@@ -505,6 +525,8 @@ def config_shape(cfg_name: str, args) -> dict:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    global MANUAL_GC
+    MANUAL_GC = not args.auto_gc
     from megatron.core import parallel_state
 
     from mhc_megatron.testing.cpu import init_single_process_group
@@ -526,6 +548,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke only)"
     lines = [f"{name}; torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s (read+write); "
              f"n={N}, bf16, forward+backward of one micro-batch, median of {args.steps}"
+             + ("; automatic GC on" if args.auto_gc else "; GC off in timed steps")
              + ("; --graphs: every run in Megatron's DDP, MoE drop-and-pad" if args.graphs
                 else ""), "",
              "| config | spec | run | step (ms) | tokens/s | peak alloc (GiB) | vs baseline "

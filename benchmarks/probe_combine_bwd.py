@@ -1,8 +1,9 @@
 """What holds ``_combine_bwd`` (combine's backward: dx, df, dH_res, dH_post) below copy
-bandwidth: the shipped kernel against variants, each launched as ``_CombineFn.backward``
-launches it (same arguments, grid ``cdiv(T, tokens)``, ``BC = min(channels, next_pow2(C))``),
-n=4, bf16, with a bias. Source variants are the shipped source (``inspect``) with lines
-edited, compiled from a temporary module; the product code is not touched:
+bandwidth: the shipped kernel (its unlinked form, with dx) against variants, each launched as
+``_CombineFn.backward`` launches it (same arguments, grid ``cdiv(T, tokens)``, ``BC =
+min(channels, next_pow2(C))``), n=4, bf16, with a bias. Source variants are the shipped
+source (``inspect``) with lines edited, compiled from a temporary module; the product code
+is not touched:
 
 * ``shipped`` at ``TILES.combine_bwd`` (its channel loop software-pipelined, ``LOOP_STAGES``
   stages); ``loop stages S``: the same kernel with S stages (1: a plain loop, the kernel
@@ -59,14 +60,20 @@ NO_DH = [("d_post += tl.sum(g3 * f[:, None, :], axis=2)", "pass"),
 HOIST = [(LOOP, "h_all = tl.load(hres_ptr + t64[:, None, None] * (N * N) + (i[:, None] * N + "
                 "i[None, :])[None, :, :], mask=tmask[:, None, None], other=0.0)\n    " + LOOP),
          ("h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,\n"
-          "                            mask=tmask[:, None], other=0.0)",
+          "                                mask=tmask[:, None], other=0.0)",
           "h_col = tl.sum(tl.where(i[None, None, :] == j, h_all, 0.0), axis=2)")]
 
 
+# the combine's backward as it runs unlinked (HAS_DX: it writes dx; linked to pre it writes
+# none, see DxLink): the form this probe studies, with the launch arguments of its variants
+DX_ON = [("LOOP_STAGES: tl.constexpr, HAS_DX: tl.constexpr):", "LOOP_STAGES: tl.constexpr):"),
+         ("if HAS_DX:", "if True:  # HAS_DX")]
+
+
 def kernel_variant(edits):
-    """``_combine_bwd`` with ``edits`` (old, new) applied to its source."""
-    return edited_kernel(tc._combine_bwd, edits, "from mhc_megatron.kernels.triton_common "
-                         "import stream_strides, token_block")
+    """``_combine_bwd`` (with dx) with ``edits`` (old, new) applied to its source."""
+    return edited_kernel(tc._combine_bwd, DX_ON + edits, "from mhc_megatron.kernels."
+                         "triton_common import stream_strides, token_block")
 
 
 @triton.jit
@@ -216,7 +223,7 @@ def _bwd_split4(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, dx_ptr, df_
 
 def variants():
     """(name, kernel, tile, extra launch keywords, check dH)."""
-    ship, tile, stages = tc._combine_bwd, tuple(TILES.combine_bwd[:3]), TILES.combine_bwd[3]
+    ship, tile, stages = kernel_variant([]), tuple(TILES.combine_bwd[:3]), TILES.combine_bwd[3]
     shipped = {"LOOP_STAGES": stages}
     rows = [("shipped", ship, tile, shipped, True)]
     rows += [(f"loop stages {s}", ship, tile, {"LOOP_STAGES": s}, True)

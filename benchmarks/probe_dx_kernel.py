@@ -13,11 +13,16 @@ written to a temporary module and compiled; the product code is not touched:
   the streaming part;
 * ``plain loop``: the kernel before 2026-11-25, its token loop a plain ``range``, where the
   launch's ``num_stages`` pipelines only the loads that feed a dot (dP, x), not dy and the
-  combine's dx; the shipped kernel pipelines the loop as a whole (``tl.range(...,
+  combine's dx (now its upstream gradient g, n stream tiles a step); the shipped kernel
+  pipelines the loop as a whole (``tl.range(...,
   num_stages=TILES.dx[3])``); ``loop stages 2``: the same with 2 stages;
 * ``dphi transposed``: ``dphi^T += x^T dP`` (channels as the dot's M dimension), and the same
   with x as bf16 and dP split into bf16 hi + lo;
 * ``copy``: torch's device copy of the same bytes (read 3 x-sized + y-sized, write 1).
+
+Since the fold (2026-11-25, :class:`~mhc_megatron.kernels.handoff.DxLink`) the kernel reads
+the combine's upstream gradient ``g`` (its n stream tiles a step, n-1 of them from L2) instead
+of the combine's dx; rows measured before that read the dx.
 
     python benchmarks/probe_dx_kernel.py [--size 16384x4096]
 """
@@ -79,7 +84,8 @@ def main():
     n, dt, dev = 4, torch.bfloat16, "cuda"
     m, mp, K = 2 * n + n * n, tm._padded_m(n), n * C
     x = torch.randn(T, n, C, device=dev, dtype=dt)
-    acc = torch.randn_like(x)
+    g = torch.randn_like(x)  # the combine's upstream gradient (the fold, DxLink)
+    h_res = torch.rand(T, n, n, device=dev)
     dy = torch.randn(T, C, device=dev, dtype=dt)
     h_pre = torch.rand(T, n, device=dev)
     dp = torch.randn(T, mp, device=dev) * 1e-2
@@ -91,7 +97,7 @@ def main():
     splits, per = tm._splits(blocks, T, bt)
     dphi = torch.zeros(splits, mp, K, device=dev)
     prec = tm._dot_precision(dt, os.environ.get("MHC_TRITON_DOT_PRECISION"))
-    nbytes = 3 * x.numel() * x.element_size() + dy.numel() * dy.element_size()  # x, acc, dx
+    nbytes = 3 * x.numel() * x.element_size() + dy.numel() * dy.element_size()  # x, g, dx
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}; _pre_dx_dphi at T={T} C={C} n=4 bf16, tiles "
           f"{tm.TILES.dx}, grid ({blocks}, {splits}); {nbytes / 1e9:.3f} GB moved; "
@@ -101,8 +107,8 @@ def main():
         kern = kernel_variant(edits)
 
         def run(kern=kern):
-            kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, acc, dx, dphi, T, C, per,
-                                   HAS_ACC=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
+            kern[(blocks, splits)](x, dy, h_pre, dp, coef, phi, g, h_res, dx, dphi, T, C,
+                                   per, HAS_G=True, N=n, M=m, MP=mp, BT=bt, BC=bc, PREC=prec,
                                    X_BCAST=False, LOOP_STAGES=stages, num_warps=warps,
                                    num_stages=stages)
         ms = bench(run)

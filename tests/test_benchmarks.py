@@ -91,3 +91,14 @@ def test_probe_pre_loops_variants_agree_with_the_shipped_kernels():
     out = run_script("benchmarks/probe_pre_loops.py", "--check", env={"TRITON_INTERPRET": "1"})
     rows = table_rows(out, "_dhpre_partial") + table_rows(out, "_proj_partial")
     assert len(rows) == 2 * 5, out[-2000:]
+
+
+def test_probe_l2_order_variants_agree_with_the_shipped_kernels():
+    """``probe_l2_order.py --check`` (interpreter): the forward chain in the old (column
+    stripe) and all-up orders, the backward chain walking down, and both folds of the
+    combine's dx into pre's dx pass give the shipped kernels' outputs (the fold to bf16
+    rounding) at both check sizes."""
+    out = run_script("benchmarks/probe_l2_order.py", "--check", env={"TRITON_INTERPRET": "1"})
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "chain" not in line]
+    assert len(rows) == 2 * 13, out[-2000:]
+    assert sum("fold, all streams a program" in row for row in rows) == 2

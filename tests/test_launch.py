@@ -226,7 +226,7 @@ def test_launch_plans_are_cached_and_follow_the_tiles():
         triton_common.TILES.sweep = (16, 512, 4)
         again = triton_common.plan(_AggregatePlan, 64, 4, 1024, False)
         assert again is not first and again.meta.kwargs["BT"] == 16
-        assert again.grid == (cdiv(64, 16), cdiv(1024, 128))
+        assert again.grid == (cdiv(64, 16) * cdiv(1024, 128),)
     finally:
         triton_common.TILES.sweep = old
     assert triton_common.plan(_AggregatePlan, 64, 4, 1024, False).meta == first.meta

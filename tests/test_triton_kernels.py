@@ -432,3 +432,37 @@ def test_broadcast_streams_equal_their_copy(t, n, c, dtype):
         else:
             assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else TOL[dtype] / 4), name
         assert rel_err(b, r) < TOL[dtype], f"{name}: rel err {rel_err(b, r):.2e} to the reference"
+
+
+def test_dx_pass_drops_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch):
+    """With the combine's ``g`` each loop stage of pre's dx pass buffers n stream tiles of it;
+    where the GPU's shared memory cannot hold the plan's stages (n=8 in fp32 on an H100),
+    the launch retries with one stage fewer and keeps that in the plan, down to 1, then
+    raises."""
+    from triton.runtime.errors import OutOfResources
+
+    from mhc_megatron.kernels import triton_pre
+    from mhc_megatron.kernels.triton_common import plan
+
+    p = plan(triton_pre._PreBackwardPlan, 64, 8, 32, torch.float32, None, True, True, False)
+    old_meta = p.dx_meta
+    tried = []
+
+    def launch(grid, meta, *args):
+        tried.append(meta.kwargs["LOOP_STAGES"])
+        if meta.kwargs["LOOP_STAGES"] > fits:
+            raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_pre, "_DX_DPHI", launch)
+    try:
+        fits = 1
+        triton_pre._launch_dx_dphi(p, "args")
+        assert tried == [3, 2, 1] and p.dx_meta.kwargs["LOOP_STAGES"] == 1
+        assert p.dx_meta.kwargs["num_stages"] == 1
+        triton_pre._launch_dx_dphi(p, "args")  # the plan keeps what fit
+        assert tried == [3, 2, 1, 1]
+        fits = 0
+        with pytest.raises(OutOfResources):
+            triton_pre._launch_dx_dphi(p, "args")
+    finally:
+        p.dx_meta = old_meta

@@ -1,11 +1,15 @@
 """The handoff of x's gradient between the two fused ops of one sublayer (Triton backend).
 
 ``x`` feeds both "pre" and "combine", so autograd would add two x-sized gradients (read 2,
-write 1). When combine's ``h_res`` comes from our pre on the same ``x`` (unmodified),
-combine's backward parks its ``dx`` on a :class:`DxLink` and returns None for ``x``; pre's
-backward (which runs after it: it needs the gradients of ``h_res`` / ``h_post``) adds it
-inside its dx kernel. When the check fails, each op returns its own ``dx`` and autograd adds
-them, so results never depend on whether the link was taken beyond fp32 rounding order.
+write 1), and the combine would write its own, ``H_res^T g``, only for it to be read back.
+When combine's ``h_res`` comes from our pre on the same ``x`` (unmodified), combine's
+backward forms no ``dx`` at all: it parks its upstream gradient ``g`` and ``h_res`` on a
+:class:`DxLink` and returns None for ``x``; pre's backward (which runs after it: it needs
+the gradients of ``h_res`` / ``h_post``) forms ``H_res^T g`` inside its dx pass and adds it
+to its own dx there (the fold: one x-sized write and read less a sublayer,
+``benchmarks/probe_l2_order.py``). When the check fails, each op returns its own ``dx`` and
+autograd adds them, so results never depend on whether the link was taken beyond rounding
+(the linked path adds the combine's part in fp32, the other rounds it to x's dtype first).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 
 
 class DxLink:
-    """Hands combine's ``dx`` to the pre of the same ``x``.
+    """Hands combine's upstream gradient and ``H_res`` to the pre of the same ``x``.
 
     "Same ``x``": the same tensor or an equal view (address, shape, strides, dtype) of the
     same base, unmodified since pre read it, so that a gradient for one is a gradient for
@@ -36,7 +40,7 @@ class DxLink:
         self.geometry = _key(x)
         self.version = x._version
         self.claimed = False
-        self.pending: torch.Tensor | None = None  # combine's dx
+        self.pending: tuple | None = None  # combine's (g [T, n, C], h_res [T, n, n] fp32)
 
     def claim(self, x: torch.Tensor) -> bool:
         ok = (not self.claimed and x.requires_grad and self.root() is _root(x)

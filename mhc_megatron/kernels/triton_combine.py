@@ -4,10 +4,11 @@
 -> x' [T, n, C] = H_res x + H_post (f + f_bias)`` in ``x.dtype``, the math of
 :func:`mhc_megatron.kernels.reference.expand_combine`.
 
-``_combine_fwd`` on a (token x channel) grid; ``_combine_bwd``: ``dx``, ``df``, ``dH_post``,
-``dH_res`` for a token block, looping over C. When ``h_res`` comes from
-:func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``, the backward hands its
-``dx`` to pre's backward instead of returning it (:class:`~mhc_megatron.kernels.handoff.DxLink`).
+``_combine_fwd`` on a (token x channel) grid walked row by row (``token_rows``);
+``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
+When ``h_res`` comes from :func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``, the
+backward forms no ``dx``: it hands its upstream gradient ``g`` and ``h_res`` to pre's backward,
+whose dx pass adds ``H_res^T g`` (:class:`~mhc_megatron.kernels.handoff.DxLink`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mhc_megatron.kernels.triton_common import (
     stream_strides,
     streams_operand,
     token_block,
+    token_rows,
 )
 
 
@@ -40,9 +42,9 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_pt
     of ``out``, ``y [T, C] = sum_i h_next[t, i] out[t, i, c]`` (``hnext [T, N]`` fp32), by
     the helper of ``_aggregate_fwd`` (the same bits) on the tile this program just stored,
     read back from cache: ``out`` makes no second trip through memory."""
-    t, tmask, t64 = token_block(T, BT)
-    XT, XS = stream_strides(N, C, X_BCAST)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), False)  # ascending (the projection
+    XT, XS = stream_strides(N, C, X_BCAST)                        # after it walks down)
+    c = cb * BC + tl.arange(0, BC)
     m2 = tmask[:, None] & (c < C)[None, :]
     K = N * C
     i = tl.arange(0, N)
@@ -68,8 +70,10 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_pt
 def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                  dx_ptr, df_ptr, dhres_ptr, dhpost_ptr, T, C,
                  HAS_BIAS: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                 X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr, HAS_DX: tl.constexpr):
     """dx [T, N, C], df, dH_post, dH_res for a token block; x may be broadcast (X_BCAST).
+    Without HAS_DX no dx: pre's dx pass forms ``H_res^T g`` itself (the fold, see
+    :class:`~mhc_megatron.kernels.handoff.DxLink`).
 
     The channel loop is software-pipelined (``LOOP_STAGES``: the next steps' loads are in
     flight while a step computes; Triton pipelines a loop without ``tl.dot`` only when the
@@ -97,11 +101,12 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
                          other=0.0).to(tl.float32)
             col = tl.sum(g3 * xj[:, None, :], axis=2)  # dH_res[:, :, j] contribution
             d_res += tl.where(i[None, None, :] == j, col[:, :, None], 0.0)
-            h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
-                            mask=tmask[:, None], other=0.0)
-            dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
-            tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
-                     dxj.to(dx_ptr.dtype.element_ty), mask=m2)
+            if HAS_DX:
+                h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
+                                mask=tmask[:, None], other=0.0)
+                dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+                tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :],
+                         dxj.to(dx_ptr.dtype.element_ty), mask=m2)
     ij = i[:, None] * N + i[None, :]
     tl.store(dhpost_ptr + t64[:, None] * N + i[None, :], d_post, mask=tmask[:, None])
     tl.store(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], d_res,
@@ -118,7 +123,7 @@ class _CombinePlan:
     def __init__(self, T: int, n: int, C: int, has_bias: bool, bcast: bool):
         bt, bc, warps = TILES.combine_fwd
         bc = min(bc, next_pow2(C))
-        self.fwd_grid = (cdiv(T, bt), cdiv(C, bc))
+        self.fwd_grid = (cdiv(T, bt) * cdiv(C, bc),)  # token_rows
         self.fwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, X_BCAST=bcast,
                              HAS_AGG=False, num_warps=warps)
         self.fwd_agg_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=bc, X_BCAST=bcast,
@@ -126,7 +131,10 @@ class _CombinePlan:
         bt, bc, warps, stages = TILES.combine_bwd
         self.bwd_grid = (cdiv(T, bt),)
         self.bwd_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=min(bc, next_pow2(C)),
-                             X_BCAST=bcast, LOOP_STAGES=stages, num_warps=warps)
+                             X_BCAST=bcast, LOOP_STAGES=stages, HAS_DX=True, num_warps=warps)
+        self.bwd_fold_meta = Meta(HAS_BIAS=has_bias, N=n, BT=bt, BC=min(bc, next_pow2(C)),
+                                  X_BCAST=bcast, LOOP_STAGES=stages, HAS_DX=False,
+                                  num_warps=warps)
 
 
 def _launch_combine(x, f, f_bias, h_res, h_post, out, bcast, h_next=None, y=None) -> None:
@@ -169,22 +177,24 @@ class _CombineFn(torch.autograd.Function):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
         T, n, C = as_tokens(x, ctx.n_streams).shape
         g = g.contiguous()
-        dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
+        fold = ctx.link is not None  # pre's dx pass forms H_res^T g: no dx here
+        dx = None if fold else x.new_empty(x.shape)  # contiguous, also for a broadcast x
         df = torch.empty_like(f)
         dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
         if T > 0:
             p = plan(_CombinePlan, T, n, C, f_bias is not None, ctx.bcast)
-            _BWD(p.bwd_grid, p.bwd_meta, g, x, f, f_bias if f_bias is not None else f, h_res,
-                 h_post, dx, df, dh_res, dh_post, T, C)
+            _BWD(p.bwd_grid, p.bwd_fold_meta if fold else p.bwd_meta, g, x, f,
+                 f_bias if f_bias is not None else f, h_res, h_post,
+                 g if fold else dx, df, dh_res, dh_post, T, C)  # (dx unwritten in a fold)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
             dbias = df.view(-1, C).sum(
                 0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
             dbias = dbias.to(f_bias.dtype)
-        if ctx.link is not None:
-            ctx.link.pending, dx = dx, None  # pre's backward adds it (see DxLink)
+        if fold:
+            ctx.link.pending = (g, h_res)  # pre's backward adds H_res^T g (see DxLink)
         res_dtype, post_dtype = ctx.mapping_dtypes
         if res_dtype != torch.float32:
             dh_res = dh_res.to(res_dtype)
@@ -199,7 +209,8 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     reshape outside the op, so no view nodes in the autograd graph); ``x``'s shape out.
 
     If ``h_res`` comes from :func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``,
-    the two ``dx`` are summed inside pre's backward kernel instead of by autograd (see
+    the combine's ``dx = H_res^T g`` is formed inside pre's backward kernel, which adds it to
+    pre's own: never written, never summed by autograd (see
     :class:`~mhc_megatron.kernels.handoff.DxLink`)."""
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not (torch.is_grad_enabled() and link.claim(x)):

@@ -63,6 +63,23 @@ def token_block(T, BT: tl.constexpr):
 
 
 @triton.jit
+def token_rows(T, BT: tl.constexpr, INNER, DESCENDING: tl.constexpr):
+    """A 1-D grid walked row by row: ``INNER`` consecutive programs share a block of ``BT``
+    tokens (each takes its own channel block or K split: the first value returned), so the
+    kernel moves through the tokens in time, ascending or (DESCENDING) from the last block.
+    Consecutive kernels over one tensor walk it in opposite directions: each starts on the
+    rows the kernel before it touched last, which are still in L2 (the forward's combine ->
+    projection -> aggregate, ``benchmarks/probe_l2_order.py``). Returns ``(inner index,
+    token indices, their mask, the indices as int64)``."""
+    pid = tl.program_id(0)
+    blk = pid // INNER
+    if DESCENDING:
+        blk = tl.cdiv(T, BT) - 1 - blk
+    t = blk * BT + tl.arange(0, BT)
+    return pid % INNER, t, t < T, t.to(tl.int64)
+
+
+@triton.jit
 def stream_strides(N: tl.constexpr, C, X_BCAST: tl.constexpr):
     """(token stride, stream stride) of the streams operand ``x [T, N, C]``: ``(N*C, C)``
     for contiguous streams; ``(C, 0)`` when they are one broadcast row a token (X_BCAST,

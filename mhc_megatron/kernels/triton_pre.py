@@ -6,17 +6,20 @@ h_post [T, n], h_res [T, n, n])``, the math of :func:`mhc_megatron.kernels.refer
 for bit: what ``mhc_recompute`` replays).
 
 Forward: ``_proj_partial`` (projection ``x @ phi^T`` with ``tl.dot`` and the sum of squares,
-on a (token block x K split) grid), ``_mappings_fwd`` (per token: sum of the partials, RMS,
-sigmoids, log-domain Sinkhorn in registers), ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]``
-on a (token x channel) grid).
+on a (token block x K split) grid walked from the last tokens down), ``_mappings_fwd`` (per
+token: sum of the partials, RMS, sigmoids, log-domain Sinkhorn in registers),
+``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid walked up): each
+starts on the token rows the kernel before it read or wrote last, still in L2
+(:func:`~mhc_megatron.kernels.triton_common.token_rows`).
 
 Backward: ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd`` (sigmoid
 and Sinkhorn backward, exact: the iterations are replayed once from the logits into an fp32
 scratch and walked back; writes per token block the sums of the logit gradients for
 ``dalpha``/``dbias``, and ``dP`` and the RMS term), ``_pre_dx_dphi`` (one more pass over x:
-``dx`` and the ``dphi`` partials together; adds the combine's ``dx`` handed over by
-:class:`~mhc_megatron.kernels.handoff.DxLink`) and ``_param_grads`` (the fixed-order sums
-of the partials into ``dphi``, ``dbias``, ``dalpha`` in the parameters' dtypes).
+``dx`` and the ``dphi`` partials together; adds the combine's ``dx``, ``H_res^T g``, from the
+upstream gradient ``g`` the combine hands over by
+:class:`~mhc_megatron.kernels.handoff.DxLink`) and ``_param_grads`` (the fixed-order sums of
+the partials into ``dphi``, ``dbias``, ``dalpha`` in the parameters' dtypes).
 
 Host side: the launch shapes of a (T, n, C, dtype) are computed once (:func:`plan`) and the
 kernels launched through :class:`~mhc_megatron.kernels.launch.Launcher`.
@@ -24,9 +27,14 @@ kernels launched through :class:`~mhc_megatron.kernels.launch.Launcher`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from mhc_megatron._logging import log_rank0
 
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
@@ -50,6 +58,7 @@ from mhc_megatron.kernels.triton_common import (
     stream_strides,
     streams_operand,
     token_block,
+    token_rows,
 )
 
 
@@ -67,8 +76,8 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, C, K_PER_SPLIT,
     SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
     (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
     the dot runs at ``PREC``."""
-    t, tmask, t64 = token_block(T, BT)
-    split = tl.program_id(1)
+    # the tokens from the last block down: the combine before wrote x' ascending
+    split, t, tmask, t64 = token_rows(T, BT, tl.cdiv(K, K_PER_SPLIT), True)
     mcol = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
@@ -136,8 +145,8 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C, N: tl.constexpr, BT: tl.constex
     (:func:`~mhc_megatron.kernels.triton_common._aggregate_tile`: the same bits as the fused
     replay of the recompute, ``_combine_fwd`` with ``HAS_AGG``)."""
     XT, XS = stream_strides(N, C, X_BCAST)
-    t, tmask, t64 = token_block(T, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), False)  # up: the projection went down
+    c = cb * BC + tl.arange(0, BC)
     m2 = tmask[:, None] & (c < C)[None, :]
     y = _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N, BT, BC)
     tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
@@ -235,15 +244,17 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 
 
 @triton.jit
-def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr,
-                 T, C, TOKENS_PER_SPLIT, HAS_ACC: tl.constexpr, N: tl.constexpr,
+def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
+                 dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  PREC: tl.constexpr, X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
     Program (stream s, channel block, token split) walks its tokens:
     ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
-    (+ acc[t, s, c], the combine's dx, when HAS_ACC)`` and accumulates
+    (+ sum_i H_res[t, i, s] g[t, i, c], the combine's dx from its upstream gradient ``g``
+    [T, N, C] and ``H_res`` [T, N, N], when HAS_G: the fold of
+    :class:`~mhc_megatron.kernels.handoff.DxLink`)`` and accumulates
     ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
     fastest in the launch order, so the N programs sharing a dy tile run together (L2).
     The token loop is software-pipelined as a whole (``LOOP_STAGES``): the launch's
@@ -270,12 +281,16 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, acc_ptr, dx
         coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
         h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
         dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        offs = t64[:, None] * K + k[None, :]  # dx, acc: [T, N, C]
+        offs = t64[:, None] * K + k[None, :]  # dx: [T, N, C]
         xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
                      other=0.0).to(tl.float32)
         dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
-        if HAS_ACC:
-            dxs += tl.load(acc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        if HAS_G:  # g's N stream tiles, shared by the N programs of a block (L2)
+            for i in tl.static_range(N):
+                g_i = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2,
+                              other=0.0).to(tl.float32)
+                h_is = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask, other=0.0)
+                dxs += h_is[:, None] * g_i
         tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
@@ -320,6 +335,7 @@ _PROJ, _MAPS_FWD, _AGG = Launcher(_proj_partial), Launcher(_mappings_fwd), Launc
 _DHPRE, _MAPS_BWD = Launcher(_dhpre_partial), Launcher(_mappings_bwd)
 _DX_DPHI, _PARAM_GRADS = Launcher(_pre_dx_dphi), Launcher(_param_grads)
 _PARAM_GRADS_BLOCK = 1024
+logger = logging.getLogger(__name__)
 
 
 class _AggregatePlan:
@@ -328,7 +344,7 @@ class _AggregatePlan:
 
     def __init__(self, T: int, n: int, C: int, bcast: bool):
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
-        self.grid = (cdiv(T, bt), cdiv(C, bc))
+        self.grid = (cdiv(T, bt) * cdiv(C, bc),)  # token_rows
         self.meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
 
 
@@ -340,7 +356,7 @@ class _PreForwardPlan:
         self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
         bt, bk, warps, stages = TILES.proj[n]
         self.splits, self.per = _splits(cdiv(T, bt), self.K, bk)
-        self.proj_grid = (cdiv(T, bt), self.splits)
+        self.proj_grid = (cdiv(T, bt) * self.splits,)  # token_rows
         self.proj_meta = Meta(M=self.m, MP=self.mp, BT=bt, BK=bk,
                               PREC=_dot_precision(dtype, forced),
                               SPLIT_PHI=_projection_splits_phi(dtype, forced),
@@ -355,7 +371,7 @@ class _PreBackwardPlan:
     """Launch shapes of pre's backward for ``x [T, n, C]`` of ``dtype``."""
 
     def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
-                 has_dhpre: bool, has_acc: bool, bcast: bool):
+                 has_dhpre: bool, has_g: bool, bcast: bool):
         self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.dh_splits, per = _splits(cdiv(T, bt), C, bc)
@@ -371,7 +387,7 @@ class _PreBackwardPlan:
         dx_blocks = n * cdiv(C, bc_dx)
         self.dx_splits, self.dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         self.dx_grid = (dx_blocks, self.dx_splits)
-        self.dx_meta = Meta(HAS_ACC=has_acc, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
+        self.dx_meta = Meta(HAS_G=has_g, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
                             PREC=_dot_precision(dtype, forced), X_BCAST=bcast,
                             LOOP_STAGES=stages_dx, num_warps=warps_dx, num_stages=stages_dx)
         mk = self.m * self.K
@@ -379,6 +395,24 @@ class _PreBackwardPlan:
         self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK,
                                ROWS_STEP=max(1, min(32, next_pow2(self.map_programs))),
                                num_warps=4)
+
+
+def _launch_dx_dphi(p: _PreBackwardPlan, *args) -> None:
+    """``_pre_dx_dphi`` at its plan's loop stages, one stage fewer (kept in the plan) each time
+    the GPU's shared memory cannot hold them: with the combine's ``g`` a stage buffers n
+    stream tiles of it, too many for 3 stages at n=8 in fp32 on an H100."""
+    while True:
+        try:
+            _DX_DPHI(p.dx_grid, p.dx_meta, *args)
+            return
+        except OutOfResources:
+            stages = p.dx_meta.kwargs["LOOP_STAGES"]
+            if stages <= 1:
+                raise
+            p.dx_meta = Meta(**{**p.dx_meta.kwargs, "LOOP_STAGES": stages - 1,
+                                "num_stages": stages - 1})
+            log_rank0(logger, logging.INFO, "mHC dx pass: %d loop stages do not fit in shared "
+                      "memory here; %d", stages, stages - 1)
 
 
 def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor,
@@ -433,16 +467,16 @@ class _PreFn(torch.autograd.Function):
         x, phi, alpha, bias, ht, rstd, h_pre = ctx.saved_tensors
         T, n, C = as_tokens(x, ctx.n_streams).shape
         dev, f32 = x.device, torch.float32
-        dx_combine = None
-        if ctx.link is not None:
-            dx_combine, ctx.link.pending = ctx.link.pending, None
+        g_combine = h_res_combine = None  # the combine's upstream gradient and H_res
+        if ctx.link is not None and ctx.link.pending is not None:
+            (g_combine, h_res_combine), ctx.link.pending = ctx.link.pending, None
         p = plan(_PreBackwardPlan, T, n, C, x.dtype, forced_precision(), dh_pre is not None,
-                 dx_combine is not None, ctx.bcast)
+                 g_combine is not None, ctx.bcast)
         dphi = torch.empty(p.m, p.K, device=dev, dtype=phi.dtype)
         dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
         dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
-            dx = dx_combine if dx_combine is not None else x.new_zeros(x.shape)
+            dx = x.new_zeros(x.shape)
             return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None
         dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
@@ -460,8 +494,10 @@ class _PreFn(torch.autograd.Function):
         _MAPS_BWD((p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre, dh_post, dh_res, ht,
                   rstd, alpha, bias, red_part, dp, coef, hist, T, p.K, ctx.iters)
         del hist
-        _DX_DPHI(p.dx_grid, p.dx_meta, x, dy, h_pre, dp, coef, phi,
-                 dx_combine if dx_combine is not None else x, dx, dphi_part, T, C, p.dx_per)
+        fold = g_combine is not None
+        _launch_dx_dphi(p, x, dy, h_pre, dp, coef, phi,
+                        g_combine if fold else x, h_res_combine if fold else h_pre,  # unread
+                        dx, dphi_part, T, C, p.dx_per)
         _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
                      p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
         return dx, dphi, dalpha, dbias, None, None, None, None
