@@ -8,7 +8,8 @@
 #                    built first, timed in alternating rounds)
 #                    OLD=old_pkg: the --profile bench also from that copy of the package (an
 #                    A/B in one call: `mkdir old_pkg && git archive REV mhc_megatron | tar -x
-#                    -C old_pkg`), logs bench_e2e_new.* and bench_e2e_old.*
+#                    -C old_pkg`), logs bench_e2e_new.* and bench_e2e_old.*; OLD_BENCH_ARGS:
+#                    the old copy's arguments instead of BENCH_ARGS (e.g. "--runs mhc")
 source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"
 record_env
 if [ "${PHASE:-bench}" = recompute ]; then
@@ -20,9 +21,10 @@ elif [ -n "${INTERLEAVE:-}" ]; then  # host-bound configs: runs side by side, al
 elif [ -n "${OLD:-}" ]; then
   ROOT="$PWD"
   for version in new old; do
-    dir="$ROOT"; [ "$version" = old ] && dir="$ROOT/$OLD"
+    dir="$ROOT" args="${BENCH_ARGS:-}"
+    [ "$version" = old ] && dir="$ROOT/$OLD" args="${OLD_BENCH_ARGS:-${BENCH_ARGS:-}}"
     ( cd "$dir" && python3 "$ROOT/benchmarks/bench_e2e.py" --profile \
-        --out "$OUT/bench_e2e_$version.md" ${BENCH_ARGS:-} ) 2>&1 \
+        --out "$OUT/bench_e2e_$version.md" $args ) 2>&1 \
       | grep -v "DEPRECATED" | tail -40 > "$OUT/bench_e2e_$version.log"
     echo "== $version"; grep "^|" "$OUT/bench_e2e_$version.md" | head -40
   done
