@@ -154,8 +154,15 @@ class HyperConnectionModule(MegatronModule):
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings).
 
-        The ops take the streams in this layout (``n`` given): no reshape of the streams, and
-        so no view node, in the autograd graph."""
+        Runs as the module's call (its ``forward``), so that the module's forward pre-hooks
+        run before ``phi``, ``alpha`` and ``bias`` are read: Megatron's DDP with
+        ``overlap_param_gather`` waits there for these parameters' all-gather after an
+        optimiser step of the distributed optimiser."""
+        return self(streams)
+
+    def forward(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
+        """:meth:`pre`. The ops take the streams in their layout (``n`` given): no reshape of
+        the streams, and so no view node, in the autograd graph."""
         self._check_streams(streams)
         ops = self._ops(streams)
         x, n = self._op_input(streams)
