@@ -37,7 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_mhc import bench, copy_bandwidth  # noqa: E402
+from bench_mhc import bench, probe_sizes  # noqa: E402
 from kernel_variants import edited_kernel  # noqa: E402
 from mhc_megatron.kernels import triton_combine as tc  # noqa: E402
 from mhc_megatron.kernels import triton_pre as tp  # noqa: E402
@@ -287,16 +287,7 @@ def main():
     p.add_argument("--check", action="store_true", help="correctness only, small sizes")
     args = p.parse_args()
     v = variants()
-    if args.check:
-        for T, C in [(37, 40), (70, 256)]:
-            run_size(T, 4, C, v, None)
-        return
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
-          f"{triton.__version__}; copy bandwidth {bw:.0f} GB/s")
-    for size in args.sizes:
-        T, C = (int(s) for s in size.split("x"))
-        run_size(T, 4, C, v, bw)
+    probe_sizes(args.sizes, args.check, lambda T, C, bw: run_size(T, 4, C, v, bw))
 
 
 if __name__ == "__main__":

@@ -22,11 +22,10 @@ import argparse
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_mhc import bench, copy_bandwidth  # noqa: E402
+from bench_mhc import bench, probe_sizes  # noqa: E402
 from kernel_variants import edited_kernel  # noqa: E402
 from mhc_megatron.kernels import triton_pre as tp  # noqa: E402
 from mhc_megatron.kernels.triton_common import forced_precision, plan  # noqa: E402
@@ -100,16 +99,7 @@ def main():
     p.add_argument("--check", action="store_true", help="correctness only, small sizes")
     args = p.parse_args()
     dh, proj = variants()
-    if args.check:
-        for T, C in [(37, 40), (70, 256)]:
-            run_size(T, 4, C, dh, proj, None)
-        return
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
-          f"{triton.__version__}; copy bandwidth {bw:.0f} GB/s")
-    for size in args.sizes:
-        T, C = (int(v) for v in size.split("x"))
-        run_size(T, 4, C, dh, proj, bw)
+    probe_sizes(args.sizes, args.check, lambda T, C, bw: run_size(T, 4, C, dh, proj, bw))
 
 
 if __name__ == "__main__":

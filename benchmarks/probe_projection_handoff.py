@@ -25,11 +25,10 @@ import os
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from bench_mhc import bench, copy_bandwidth  # noqa: E402
+from bench_mhc import bench, probe_sizes  # noqa: E402
 from mhc_megatron.kernels import reference as ref  # noqa: E402
 from mhc_megatron.kernels import triton_mhc  # noqa: E402
 from mhc_megatron.kernels.handoff import ProjectionHandoff  # noqa: E402
@@ -115,18 +114,11 @@ def main():
     args = p.parse_args()
     tiles = ([tuple(int(v) for v in t.split(",")) for t in args.tiles] if args.tiles
              else TILES_TRIED)
-    if args.check:
-        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-            sys.exit("--check on CPU needs TRITON_INTERPRET=1")
-        for T, C in [(37, 40), (70, 130)]:
-            run_size(T, 4, C, tiles[:2], None)
-        return
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
-          f"{triton.__version__}; copy bandwidth {bw:.0f} GB/s")
-    for size in args.sizes:
-        T, C = (int(s) for s in size.split("x"))
-        run_size(T, 4, C, tiles, bw)
+    if args.check and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        sys.exit("--check on CPU needs TRITON_INTERPRET=1")
+    probe_sizes(args.sizes, args.check,
+                lambda T, C, bw: run_size(T, 4, C, tiles if bw else tiles[:2], bw),
+                check_sizes=((37, 40), (70, 130)))
 
 
 if __name__ == "__main__":
