@@ -48,6 +48,7 @@ from torch import Tensor
 
 from mhc_megatron._logging import log_rank0
 from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
+from mhc_megatron.kernels.handoff import projection_handoff_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule, StreamMappings
 from mhc_megatron.layers.stream_offload import StreamOffload, stream_offload_group
 from mhc_megatron.layers.streams import (
@@ -122,8 +123,9 @@ class _StreamCombine:
             return offload.combine(
                 lambda out: self.hyper_connection.combine(streams, out, mappings, prob, training),
                 output_with_bias)
+        nxt = self.next_hyper_connection() if projection_handoff_enabled() else None
         return self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training,
-                                             self.next_hyper_connection())
+                                             nxt)
 
 
 class HyperConnectionTransformerLayer(TransformerLayer):
