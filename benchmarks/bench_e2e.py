@@ -9,8 +9,8 @@ blocks); ``--runs`` picks a subset (e.g. ``--runs mhc recompute``); ``--runs ...
 adds ``mHC + hand-off``, the mHC model with ``MHC_PROJECTION_HANDOFF=1`` in its steps (each
 combine forms the next pre's projection: ``mhc_megatron.kernels.handoff``), compared with
 mHC. A step is forward + backward of one micro-batch (bf16 weights and activations, no
-optimiser: it is the same for all runs); reported: median step time, tokens/s, peak memory allocated during the step,
-and mHC's overhead next to its byte floor.
+optimiser: it is the same for all runs); reported: median step time, tokens/s, peak memory
+allocated during the step, and mHC's overhead next to its byte floor.
 
 Configs (``--layers`` etc. override):
 
@@ -86,6 +86,9 @@ from bench_mhc import N, copy_bandwidth, sublayer_bytes  # benchmarks/ is on sys
 sys.path.insert(0, ".")
 
 GIB = 1024**3
+# mhc_megatron.kernels.handoff.PROJECTION_HANDOFF_ENV, on in the "+ hand-off" runs' steps; not
+# imported: device_e2e.sh's OLD runs this script against package copies that predate it
+HANDOFF_ENV = "MHC_PROJECTION_HANDOFF"
 CONFIGS = {
     "dense": dict(layers=8, hidden=4096, ffn=11008, heads=32, seq=4096, mbs=1),
     "moe": dict(layers=8, hidden=2048, ffn=1408, heads=16, seq=4096, mbs=1, experts=64, topk=6,
@@ -96,7 +99,6 @@ RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", Tr
         ("mHC + hand-off", True, False)]
 RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute",
             "handoff": "mHC + hand-off"}
-HANDOFF_ENV = "MHC_PROJECTION_HANDOFF"  # on in the "+ hand-off" runs' steps
 # --graphs: the same models with Megatron's local per-layer CUDA graphs (no mhc_recompute: the
 # config refuses it with per-layer graphs)
 GRAPH_RUNS = [("baseline + graphs", False, False), ("mHC + graphs", True, False)]

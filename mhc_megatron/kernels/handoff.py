@@ -53,12 +53,13 @@ class DxLink:
 
 
 _PROJECTION_ATTR = "_mhc_projection"
+PROJECTION_HANDOFF_ENV = "MHC_PROJECTION_HANDOFF"
 
 
 def projection_handoff_enabled() -> bool:
     """``MHC_PROJECTION_HANDOFF=1``: combines form the next pre's projection
     (:class:`ProjectionHandoff`). Off by default until measured on a GPU."""
-    return os.environ.get("MHC_PROJECTION_HANDOFF", "0") == "1"
+    return os.environ.get(PROJECTION_HANDOFF_ENV, "0") == "1"
 
 
 def _capturing(t: torch.Tensor) -> bool:
