@@ -157,6 +157,9 @@ def test_handoff_needs_its_tensor_and_phi_unmodified(handoff_on, monkeypatch):
     assert ProjectionHandoff.take(out, phi) is handoff
     monkeypatch.setenv(PROJECTION_HANDOFF_ENV, "0")
     assert ProjectionHandoff.request(phi, x) is None
+    monkeypatch.setenv(PROJECTION_HANDOFF_ENV, "true")  # not silently off: names the fix
+    with pytest.raises(ValueError, match=r"MHC_PROJECTION_HANDOFF='true' is not 0 or 1\. Fix"):
+        ProjectionHandoff.request(phi, x)
 
 
 def _spy(monkeypatch, owner, name, static=False):
