@@ -96,9 +96,9 @@ CONFIGS = {
 }
 SMOKE = dict(layers=2, hidden=64, ffn=128, heads=4, seq=64, mbs=2)
 RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True),
-        ("mHC + hand-off", True, False)]
+        ("mHC + hand-off", True, False), ("mHC + recompute + hand-off", True, True)]
 RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute",
-            "handoff": "mHC + hand-off"}
+            "handoff": "mHC + hand-off", "recompute_handoff": "mHC + recompute + hand-off"}
 # --graphs: the same models with Megatron's local per-layer CUDA graphs (no mhc_recompute: the
 # config refuses it with per-layer graphs)
 GRAPH_RUNS = [("baseline + graphs", False, False), ("mHC + graphs", True, False)]
@@ -114,8 +114,13 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS),
                    default=["baseline", "mhc", "recompute"],
-                   help="the runs to measure (default baseline, mhc, recompute); handoff: mHC "
-                        "with MHC_PROJECTION_HANDOFF=1 in its steps (compared with mhc)")
+                   help="the runs to measure (default baseline, mhc, recompute); handoff, "
+                        "recompute_handoff: mHC (+ recompute) with MHC_PROJECTION_HANDOFF=1 in "
+                        "its steps (compared with mhc)")
+    p.add_argument("--tile", action="append", default=[], metavar="NAME=V,V,...",
+                   help="set a field of the kernels' TILES for every run (e.g. "
+                        "combine_proj=64,32,4,2: a tile a probe found, measured in a step "
+                        "before it becomes the default); repeatable")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--graphs", action="store_true",
                    help="add baseline and mHC with Megatron's local per-layer CUDA graphs; "
@@ -542,6 +547,22 @@ def isolated_run(argv: list, cfg_name: str, spec: str, run: str):
     return r, prof
 
 
+def set_tiles(settings: list[str]) -> str:
+    """Apply ``--tile NAME=V,V,...`` to the kernels' ``TILES``; returns them as the report's
+    words ("" for none)."""
+    if not settings:
+        return ""
+    from mhc_megatron.kernels.triton_common import TILES
+
+    for setting in settings:
+        name, _, values = setting.partition("=")
+        if not hasattr(TILES, name) or not values:
+            raise SystemExit(f"--tile {setting}: expected NAME=V,V,... with NAME a field of "
+                             "mhc_megatron.kernels.triton_common.KernelTiles")
+        setattr(TILES, name, tuple(int(v) for v in values.split(",")))
+    return "; TILES " + ", ".join(settings)
+
+
 def run_table(args) -> list:
     """(name, mhc, recompute, graphs) of the selected runs."""
     runs = [(*r, False) for r in RUNS if r[0] in {RUN_KEYS[k] for k in args.runs}]
@@ -560,6 +581,7 @@ def main(argv=None):
     args = parse_args(argv)
     global MANUAL_GC
     MANUAL_GC = not args.auto_gc
+    tiles = set_tiles(args.tile)
     from megatron.core import parallel_state
 
     from mhc_megatron.testing.cpu import init_single_process_group
@@ -583,6 +605,7 @@ def main(argv=None):
              f"n={N}, bf16, forward+backward of one micro-batch, median of {args.steps}"
              + ("; automatic GC on" if args.auto_gc else "; GC off in timed steps")
              + f"; {HANDOFF_ENV}={os.environ.get(HANDOFF_ENV, '0')} outside the hand-off runs"
+             + tiles
              + ("; --graphs: every run in Megatron's DDP, MoE drop-and-pad" if args.graphs
                 else ""), "",
              "| config | spec | run | step (ms) | tokens/s | peak alloc (GiB) | vs baseline "
