@@ -53,17 +53,12 @@ class DxLink:
 
 
 _PROJECTION_ATTR = "_mhc_projection"
-PROJECTION_HANDOFF_ENV = "MHC_PROJECTION_HANDOFF"
 
 
 def projection_handoff_enabled() -> bool:
     """``MHC_PROJECTION_HANDOFF=1``: combines form the next pre's projection
     (:class:`ProjectionHandoff`). Off by default until measured on a GPU."""
-    value = os.environ.get(PROJECTION_HANDOFF_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PROJECTION_HANDOFF_ENV}={value!r} is not 0 or 1. Fix: set it to 1 "
-                         "(combines form the next pre's projection) or 0 / unset (off).")
-    return value == "1"
+    return os.environ.get("MHC_PROJECTION_HANDOFF", "0") == "1"
 
 
 def _capturing(t: torch.Tensor) -> bool:
