@@ -98,7 +98,7 @@ FOLD_TILES = [(16, 32, 4, 2), (16, 32, 4, 3), (32, 32, 4, 2), (16, 64, 8, 2), (3
 
 
 IMPORTS = ("from mhc_megatron.kernels.triton_common import stream_strides, token_block, "
-           "token_rows, _aggregate_tile, _combine_tile, _proj_dot")
+           "token_rows, _aggregate_tile")
 TOKEN_BLOCK = "t, tmask, t64 = token_block(T, BT)"
 DX_FOLD = """        if HAS_G:  # g's N stream tiles, shared by the N programs of a block (L2)
             for i in tl.static_range(N):
@@ -111,7 +111,6 @@ DX_ACC = """        if HAS_G:  # before the fold: g_ptr is the combine's dx
 
 
 ROWS_C = "cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), False)"
-ROWS_AGG = "cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), DESCENDING)"
 ROWS_K = "split, t, tmask, t64 = token_rows(T, BT, tl.cdiv(K, K_PER_SPLIT), True)"
 
 
@@ -125,7 +124,7 @@ def column_stripes(kernel, rows: str, inner: str):
 def variants():
     comb = column_stripes(tc._combine_fwd, ROWS_C, "cb")
     proj = column_stripes(tp._proj_partial, ROWS_K, "split")
-    agg = column_stripes(tp._aggregate_fwd, ROWS_AGG, "cb")
+    agg = column_stripes(tp._aggregate_fwd, ROWS_C, "cb")
     proj_up = edited_kernel(tp._proj_partial, [(ROWS_K, ROWS_K.replace("True)", "False)"))],
                             IMPORTS)
     dx_down = edited_kernel(tp._pre_dx_dphi, [(

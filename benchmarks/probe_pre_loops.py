@@ -31,7 +31,7 @@ from mhc_megatron.kernels import triton_pre as tp  # noqa: E402
 from mhc_megatron.kernels.triton_common import forced_precision, plan  # noqa: E402
 
 IMPORTS = ("from mhc_megatron.kernels.triton_common import stream_strides, token_block, "
-           "token_rows, _proj_dot")
+           "token_rows")
 DH_LOOP = "for c0 in range(c_start, c_start + C_PER_SPLIT, BC):"
 SS_STEP = "ss += tl.sum(xf * xf, axis=1)"
 

@@ -50,16 +50,6 @@ def test_bench_e2e_smoke_prints_every_run(mode, tmp_path):
         assert text.count("round medians") == 3
 
 
-def test_bench_e2e_handoff_run_is_compared_with_mhc(tmp_path):
-    """``--runs mhc handoff``: the hand-off run's row, its step time against mHC's."""
-    out = tmp_path / "e2e.md"
-    run_script("benchmarks/bench_e2e.py", "--smoke", "--configs", "dense", "--specs", "local",
-               "--steps", "1", "--warmup", "1", "--runs", "mhc", "handoff", "--out", str(out))
-    rows = table_rows(out.read_text(), "dense")
-    assert [r[2] for r in rows] == ["mHC", "mHC + hand-off"]
-    assert rows[0][7] == "-" and re.fullmatch(r"\d+\.\d{3}x", rows[1][7])
-
-
 def test_bench_e2e_interleave_refuses_profile():
     proc = subprocess.run([sys.executable, "benchmarks/bench_e2e.py", "--smoke", "--profile",
                            "--interleave", "2"], cwd=ROOT, capture_output=True, text=True)
@@ -112,13 +102,3 @@ def test_probe_l2_order_variants_agree_with_the_shipped_kernels():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "chain" not in line]
     assert len(rows) == 2 * 13, out[-2000:]
     assert sum("fold, all streams a program" in row for row in rows) == 2
-
-
-def test_probe_projection_handoff_variants_agree_with_the_shipped_chain():
-    """``probe_projection_handoff.py --check`` (interpreter): the hand-off chain at two tiles
-    writes the shipped combine's x' bit for bit and the shipped pre's mappings and y (to
-    rounding), at both check sizes."""
-    out = run_script("benchmarks/probe_projection_handoff.py", "--check",
-                     env={"TRITON_INTERPRET": "1"})
-    rows = [line for line in out.splitlines() if line.startswith("| chain | hand-off")]
-    assert len(rows) == 2 * 2, out[-2000:]

@@ -9,11 +9,6 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 * ``aggregate(x, h_pre, n=None) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit
   (what ``mhc_recompute`` replays in backward instead of the whole of pre).
 
-``projects``: the backend's ``combine`` takes ``projection=`` (a
-:class:`~mhc_megatron.kernels.handoff.ProjectionHandoff` it fills with the next pre's
-projection of its output) and its ``pre`` takes ``projection=`` (such a hand-off, used in
-place of its own projection).
-
 ``x`` is ``[T, n, C]`` (``f``, ``y``: ``[T, C]``), or with ``n`` given the streams as the
 layers carry them, ``[..., n*C]`` (``f``, ``y``: ``[..., C]``; the Triton ops take that layout
 as is, so the autograd graph has no reshape nodes around them).
@@ -51,7 +46,6 @@ class MHCOps:
     pre: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     combine: Callable[..., Tensor]
     aggregate: Callable[..., Tensor]
-    projects: bool = False
 
 
 # The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
@@ -95,7 +89,7 @@ def _load_triton_ops() -> MHCOps:
         from mhc_megatron.recompute.manager import register_replay_fusion
 
         _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
-                             aggregate=triton_mhc.aggregate, projects=True)
+                             aggregate=triton_mhc.aggregate)
         register_replay_fusion(triton_mhc.combine, triton_mhc.aggregate,
                                _replay_combine_aggregate)
     return _triton_ops

@@ -17,9 +17,6 @@ import triton.language as tl
 from mhc_megatron.kernels.launch import cdiv, next_pow2
 
 SUPPORTED_STREAMS = (1, 2, 4, 8)
-# n whose mapping (2n + n^2 <= 24 columns, padded to 32) the combine can project onto in its
-# epilogue (ProjectionHandoff); n = 8 pads to 128 columns, too wide a dot for that tile.
-PROJECTION_STREAMS = (1, 2, 4)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -111,51 +108,6 @@ def _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N: tl.constexpr,
 
 
 @triton.jit
-def _combine_tile(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, t64, tmask, c, m2, XT, XS, C,
-                  HAS_BIAS: tl.constexpr, N: tl.constexpr):
-    """The combine's ``x' [BT, N, BC] = H_res x + H_post (f + bias)`` (fp32) for the tokens
-    ``t64`` and channels ``c``: ``f [T, C]``, the mappings ``h_res [T, N, N]`` and
-    ``h_post [T, N]`` fp32, the streams at ``x_ptr`` (token stride ``XT``, stream stride
-    ``XS``) added one by one in stream order. Every kernel that forms ``x'`` does it through
-    this helper, so that they write the same bits whatever their tiles (the recompute replays
-    the combine with another kernel than the one that ran in forward)."""
-    i = tl.arange(0, N)
-    f = tl.load(f_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        f += tl.load(fbias_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
-    h_post = tl.load(hpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
-    acc = h_post[:, :, None] * f[:, None, :]
-    for j in tl.static_range(N):
-        xj = tl.load(x_ptr + t64[:, None] * XT + j * XS + c[None, :], mask=m2, other=0.0)
-        h_col = tl.load(hres_ptr + t64[:, None] * (N * N) + i[None, :] * N + j,
-                        mask=tmask[:, None], other=0.0)
-        acc += h_col[:, :, None] * xj.to(tl.float32)[:, None, :]
-    return acc
-
-
-@triton.jit
-def _proj_dot(xt, ph, acc, PREC: tl.constexpr, SPLIT_PHI: tl.constexpr,
-              INTERPRETED: tl.constexpr):
-    """``acc + xt @ ph``: the projection's dot for a tile of the streams ``xt [BT, BK]`` (in
-    their dtype) and of ``phi^T``, ``ph [BK, MP]`` (fp32). SPLIT_PHI (16-bit x): ``xt`` feeds
-    the tensor cores as it is and ``ph`` as two 16-bit halves (hi + lo, ~16 mantissa bits),
-    accumulated in fp32. Otherwise ``xt`` is widened to fp32 and the dot runs at ``PREC``."""
-    if SPLIT_PHI:
-        ph_hi = ph.to(xt.dtype)
-        ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
-        if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
-            xf = xt.to(tl.float32)
-            acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
-            acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, ph_hi, acc)
-            acc = tl.dot(xt, ph_lo, acc)
-    else:
-        acc = tl.dot(xt.to(tl.float32), ph, acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
 def _sinkhorn_log(L, iters):
     """``iters`` row-then-column log-normalisations of ``L [BT, N, N]``."""
     for _ in range(iters):
@@ -227,9 +179,7 @@ class KernelTiles:
     ``target_programs`` programs are in flight. "loop stages": the streaming loops of the
     combine's backward and of pre's dx pass are software-pipelined as a whole
     (``tl.range(..., num_stages=...)``); a launch's ``num_stages`` pipelines only the loads
-    that feed a ``tl.dot`` (``benchmarks/probe_combine_bwd.py``, ``probe_dx_kernel.py``).
-    ``combine_proj`` (the combine that forms the next pre's projection) is not tuned yet:
-    ``benchmarks/probe_projection_handoff.py`` times its candidates."""
+    that feed a ``tl.dot`` (``benchmarks/probe_combine_bwd.py``, ``probe_dx_kernel.py``)."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
@@ -238,9 +188,6 @@ class KernelTiles:
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4, 2)     # (tokens, channels per step, warps, loop stages)
-    # the combine with the next pre's projection (ProjectionHandoff): (tokens, channels per
-    # step, warps, loop stages); tokens as the projection's (phi is re-read per token block)
-    combine_proj: tuple = (64, 32, 4, 2)
     dx: tuple = (64, 64, 4, 3)              # dx + dphi: (tokens/step, channels, warps, loop stages)
 
     def __setattr__(self, name, value):

@@ -18,10 +18,6 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; with ``HAS_AGG`` also the next
   pre's aggregate of ``x'`` (``combine_aggregate``: ``mhc_recompute``'s replay of the pair,
   bit for bit the two ops, ``x'`` not read back).
-* ``_combine_proj_fwd``: the same ``x'`` (one helper forms it in both kernels) and the next
-  pre's projection partials of it, from the tile in registers, which that pre then uses in
-  place of its own ``_proj_partial`` pass over ``x'`` (``MHC_PROJECTION_HANDOFF=1``, off by
-  default until measured on a GPU; :class:`~mhc_megatron.kernels.handoff.ProjectionHandoff`).
 * ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
@@ -53,7 +49,6 @@ from __future__ import annotations
 from mhc_megatron.kernels.triton_combine import (
     _combine_bwd,
     _combine_fwd,
-    _combine_proj_fwd,
     _CombineFn,
     combine,
     combine_aggregate,
@@ -83,6 +78,6 @@ from mhc_megatron.kernels.triton_pre import (
 
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_STREAMS", "TILES", "KernelTiles", "aggregate",
            "combine", "combine_aggregate", "pre", "_PreFn", "_CombineFn", "_aggregate_fwd",
-           "_combine_bwd", "_combine_fwd", "_combine_proj_fwd", "_dhpre_partial", "_mappings_bwd", "_mappings_fwd",
+           "_combine_bwd", "_combine_fwd", "_dhpre_partial", "_mappings_bwd", "_mappings_fwd",
            "_param_grads", "_pre_dx_dphi", "_proj_partial", "_dot_precision", "_padded_m",
            "_splits", "_sweep_bc"]

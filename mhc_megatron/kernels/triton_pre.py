@@ -47,7 +47,6 @@ from mhc_megatron.kernels.triton_common import (
     _dot_precision,
     _mapping_logits,
     _padded_m,
-    _proj_dot,
     _projection_splits_phi,
     _sinkhorn_log,
     _sinkhorn_log_bwd,
@@ -74,7 +73,9 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, C, K_PER_SPLIT,
     X_BCAST: x's streams are one broadcast row (``x[t, k]`` at ``t*C + k % C``, see
     :func:`~mhc_megatron.kernels.triton_common.streams_operand`).
 
-    The dot: :func:`~mhc_megatron.kernels.triton_common._proj_dot` (``SPLIT_PHI``, ``PREC``)."""
+    SPLIT_PHI (16-bit x): x feeds the tensor cores as it is and phi as two 16-bit halves
+    (hi + lo, ~16 mantissa bits), accumulated in fp32. Otherwise x is widened to fp32 and
+    the dot runs at ``PREC``."""
     # the tokens from the last block down: the combine before wrote x' ascending
     split, t, tmask, t64 = token_rows(T, BT, tl.cdiv(K, K_PER_SPLIT), True)
     mcol = tl.arange(0, MP)
@@ -93,7 +94,17 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, C, K_PER_SPLIT,
         ss += tl.sum(xf * xf, axis=1)
         ph = tl.load(phi_ptr + mcol[None, :].to(tl.int64) * K + k[:, None],
                      mask=kmask[:, None] & (mcol[None, :] < M), other=0.0).to(tl.float32)
-        acc = _proj_dot(xt, ph, acc, PREC, SPLIT_PHI, INTERPRETED)
+        if SPLIT_PHI:
+            ph_hi = ph.to(xt.dtype)
+            ph_lo = (ph - ph_hi.to(tl.float32)).to(xt.dtype)
+            if INTERPRETED:  # the CPU interpreter's bf16 dot is wrong: same split, fp32 dot
+                acc = tl.dot(xf, ph_hi.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, ph_lo.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, ph_hi, acc)
+                acc = tl.dot(xt, ph_lo, acc)
+        else:
+            acc = tl.dot(xf, ph, acc, input_precision=PREC)
     row = split.to(tl.int64) * T + t64
     tl.store(part_ptr + row[:, None] * MP + mcol[None, :], acc, mask=tmask[:, None])
     tl.store(ss_ptr + row, ss, mask=tmask)
@@ -129,14 +140,12 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
 
 @triton.jit
 def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C, N: tl.constexpr, BT: tl.constexpr,
-                   BC: tl.constexpr, X_BCAST: tl.constexpr, DESCENDING: tl.constexpr):
+                   BC: tl.constexpr, X_BCAST: tl.constexpr):
     """y[t, c] = sum_i h_pre[t, i] x[t, i, c] on a (token, channel) grid
     (:func:`~mhc_megatron.kernels.triton_common._aggregate_tile`: the same bits as the fused
-    replay of the recompute, ``_combine_fwd`` with ``HAS_AGG``), walked opposite to the pass
-    over x before it: up after the projection, down after a combine that projected
-    (DESCENDING)."""
+    replay of the recompute, ``_combine_fwd`` with ``HAS_AGG``)."""
     XT, XS = stream_strides(N, C, X_BCAST)
-    cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), DESCENDING)
+    cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), False)  # up: the projection went down
     c = cb * BC + tl.arange(0, BC)
     m2 = tmask[:, None] & (c < C)[None, :]
     y = _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N, BT, BC)
@@ -331,13 +340,12 @@ logger = logging.getLogger(__name__)
 
 class _AggregatePlan:
     """Launch shape of ``_aggregate_fwd`` for ``x [T, n, C]`` (``bcast``: one broadcast row
-    a token, :func:`streams_operand`; ``descending``: walked from the last tokens down)."""
+    a token, :func:`streams_operand`)."""
 
-    def __init__(self, T: int, n: int, C: int, bcast: bool, descending: bool = False):
+    def __init__(self, T: int, n: int, C: int, bcast: bool):
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.grid = (cdiv(T, bt) * cdiv(C, bc),)  # token_rows
-        self.meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, DESCENDING=descending,
-                         num_warps=warps)
+        self.meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
 
 
 class _PreForwardPlan:
@@ -408,13 +416,13 @@ def _launch_dx_dphi(p: _PreBackwardPlan, *args) -> None:
 
 
 def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor,
-                      bcast: bool, descending: bool = False) -> None:
+                      bcast: bool) -> None:
     """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for ``x [T, n, C]`` as
     :func:`streams_operand` returns it (``bcast``), fp32 ``h_pre [T, n]`` (T > 0): the one
     launch of the aggregate, shared by pre's forward and :func:`aggregate`, so that both
-    give the same bits (in either direction: each element's sum is the same)."""
+    give the same bits."""
     T, n, C = x.shape
-    p = plan(_AggregatePlan, T, n, C, bcast, descending)
+    p = plan(_AggregatePlan, T, n, C, bcast)
     _AGG(p.grid, p.meta, x, h_pre, y, T, C)
 
 
@@ -424,7 +432,7 @@ class _PreFn(torch.autograd.Function):
     ``[..., C]`` accordingly, the mappings are per token."""
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None, projection=None):
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None):
         x, bcast = streams_operand(x)
         x3 = as_tokens(x, n_streams)
         T, n, C = x3.shape
@@ -440,18 +448,12 @@ class _PreFn(torch.autograd.Function):
         rstd = torch.empty(T, device=dev, dtype=f32)
         if T > 0:
             p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast)
-            if projection is not None and projection.part.shape[1:] == (T, mp):
-                # the combine before formed the projection (ProjectionHandoff): x was read by
-                # nobody since it was written, from the first tokens up
-                part, part_ss, descending = projection.part, projection.ss, True
-            else:
-                part = torch.empty(p.splits, T, mp, device=dev, dtype=f32)
-                part_ss = torch.empty(p.splits, T, device=dev, dtype=f32)
-                _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
-                descending = False
+            part = torch.empty(p.splits, T, mp, device=dev, dtype=f32)
+            part_ss = torch.empty(p.splits, T, device=dev, dtype=f32)
+            _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
-                      ht, rstd, T, p.K, part.shape[0], float(eps), int(iters))
-            _launch_aggregate(x3, h_pre, y, bcast, descending)
+                      ht, rstd, T, p.K, p.splits, float(eps), int(iters))
+            _launch_aggregate(x3, h_pre, y, bcast)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.bcast = bcast
         ctx.iters = int(iters)
@@ -475,7 +477,7 @@ class _PreFn(torch.autograd.Function):
         dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
             dx = x.new_zeros(x.shape)
-            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None, None
+            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None
         dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
@@ -498,18 +500,15 @@ class _PreFn(torch.autograd.Function):
                         dx, dphi_part, T, C, p.dx_per)
         _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
                      p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
-        return dx, dphi, dalpha, dbias, None, None, None, None, None
+        return dx, dphi, dalpha, dbias, None, None, None, None
 
 
-def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, projection=None):
+def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None):
     """Fused mappings + aggregate: ``(y, h_pre [T,n], h_post [T,n], h_res [T,n,n])`` for
     ``x [T, n, C]`` (``y [T, C]``) or, with ``n`` given, for the streams ``x [..., n*C]``
-    (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph).
-
-    ``projection``: the :class:`~mhc_megatron.kernels.handoff.ProjectionHandoff` taken from
-    ``x`` for ``phi`` (the combine that wrote ``x`` formed the projection), or None."""
+    (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph)."""
     link = DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, projection)
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs

@@ -9,11 +9,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
-from torch.nn.modules.module import _global_forward_pre_hooks
 
 from mhc_megatron.config import MHCTransformerConfig
 from mhc_megatron.kernels import select_ops
-from mhc_megatron.kernels.handoff import ProjectionHandoff
 from mhc_megatron.kernels.reference import num_mapping_coefficients
 from mhc_megatron.layers.streams import is_broadcast_streams
 from mhc_megatron.recompute.manager import record_as, run_recorded
@@ -166,12 +164,9 @@ class HyperConnectionModule(MegatronModule):
         self._check_streams(streams)
         ops = self._ops(streams)
         x, n = self._op_input(streams)
-        # the projection, if the combine that wrote these streams formed it for this phi
-        handoff = ProjectionHandoff.take(streams, self.phi)
-        extra = {"projection": handoff} if handoff is not None and ops.projects else {}
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps, n=n, **extra)
+                                          self.config.mhc_rms_eps, n=n)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
         # kept per-token mappings
         record_as(y, ops.aggregate, x, h_pre, n=n)
@@ -186,15 +181,10 @@ class HyperConnectionModule(MegatronModule):
         mappings: StreamMappings,
         dropout_prob: float,
         training: bool,
-        next_hyper_connection: "HyperConnectionModule | None" = None,
     ) -> Tensor:
         """``x' = H_res x + H_post^T dropout(f + bias)``; ``f`` is ``[s, b, C]`` -> ``[s, b, n*C]``.
 
         ``output_with_bias`` is what Megatron's sublayers return: ``(f, bias or None)``.
-        ``next_hyper_connection``: the module whose ``pre`` reads ``x'`` next, if the caller
-        knows it; a backend that can (``ops.projects``, ``MHC_PROJECTION_HANDOFF=1``) then
-        forms that pre's projection of ``x'`` here, from the tile it writes
-        (:class:`~mhc_megatron.kernels.handoff.ProjectionHandoff`).
         """
         f, f_bias = output_with_bias
         self._check_streams(streams)
@@ -211,28 +201,6 @@ class HyperConnectionModule(MegatronModule):
         x, n = self._op_input(streams)
         if n is None:  # broadcast streams: tokens [s*b, n, C] in (f too), [s, b, n*C] out
             f = f.reshape(-1, self.hidden_size)
-        ops = self._ops(streams)
-        args = (x, f, f_bias, mappings.h_res, mappings.h_post)
-        handoff = self._projection_request(next_hyper_connection, ops, streams)
-        if handoff is None:
-            out = run_recorded(ops.combine, *args, n=n)
-        else:  # mhc_recompute replays the combine alone: it needs no projection
-            out = ops.combine(*args, n=n, projection=handoff)
-            record_as(out, ops.combine, *args, n=n)
-        if n is None:
-            out = out.view(*streams.shape[:2], self.n * self.hidden_size)
-        if handoff is not None:
-            handoff.attach(out)
-        return out
-
-    def _projection_request(self, nxt: "HyperConnectionModule | None", ops,
-                            streams: Tensor) -> ProjectionHandoff | None:
-        """A hand-off for ``nxt``'s projection of this combine's output, where it can be
-        formed here: a backend that projects, the same stream layout, and no forward pre-hook
-        on ``nxt`` (Megatron's DDP with ``overlap_param_gather`` hooks every module to wait
-        for its parameters' all-gather: ``nxt.phi`` may not have arrived yet)."""
-        if (nxt is None or not ops.projects or nxt.n != self.n
-                or nxt.hidden_size != self.hidden_size or nxt._forward_pre_hooks
-                or _global_forward_pre_hooks):
-            return None
-        return ProjectionHandoff.request(nxt.phi, streams)
+        out = run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
+                           mappings.h_post, n=n)
+        return out if n is not None else out.view(*streams.shape[:2], self.n * self.hidden_size)

@@ -32,7 +32,6 @@ import functools
 import logging
 import sys
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Union
 
@@ -48,7 +47,6 @@ from torch import Tensor
 
 from mhc_megatron._logging import log_rank0
 from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
-from mhc_megatron.kernels.handoff import projection_handoff_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule, StreamMappings
 from mhc_megatron.layers.stream_offload import StreamOffload, stream_offload_group
 from mhc_megatron.layers.streams import (
@@ -90,12 +88,9 @@ class _StreamCombine:
     the streams, as Megatron's layer releases its residual after the bias-dropout-add).
     """
 
-    def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None,
-                 next_hyper_connection=None):
+    def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
         self.hyper_connection = hyper_connection
         self.offload_group = offload_group
-        # () -> the module whose pre reads this combine's output next, or None
-        self.next_hyper_connection = next_hyper_connection or (lambda: None)
         self._armed: tuple[Tensor, StreamMappings, StreamOffload | None] | None = None
 
     def arm(self, streams: Tensor, mappings: StreamMappings,
@@ -119,13 +114,11 @@ class _StreamCombine:
             )
         streams, mappings, offload = self._armed
         self._armed = None
-        if offload is not None:  # (its commit may hand the next pre another tensor object)
+        if offload is not None:
             return offload.combine(
                 lambda out: self.hyper_connection.combine(streams, out, mappings, prob, training),
                 output_with_bias)
-        nxt = self.next_hyper_connection() if projection_handoff_enabled() else None
-        return self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training,
-                                             nxt)
+        return self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training)
 
 
 class HyperConnectionTransformerLayer(TransformerLayer):
@@ -164,24 +157,17 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             submodules.self_attention_hyper_connection, config=config
         )
         self.mlp_hyper_connection = build_module(submodules.mlp_hyper_connection, config=config)
-        this = weakref.ref(self)  # (no reference cycle through the combine slots)
-        self.self_attn_bda = _StreamCombine(
-            self.self_attention_hyper_connection, stream_offload_group(config, "attn_norm"),
-            lambda: _hyper_connection_after(this(), "attention"))
-        self.mlp_bda = _StreamCombine(
-            self.mlp_hyper_connection, stream_offload_group(config, "mlp_norm"),
-            lambda: _hyper_connection_after(this(), "mlp"))
+        self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection,
+                                            stream_offload_group(config, "attn_norm"))
+        self.mlp_bda = _StreamCombine(self.mlp_hyper_connection,
+                                      stream_offload_group(config, "mlp_norm"))
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
         # boundary. Megatron passes the chunk-local number and adds the offset itself.
         local_number = kwargs.get("layer_number", args[0] if args else 1)
         self.mhc_chunk_offset = self.layer_number - local_number
-        block = _enclosing_block()
-        _refuse_block_without_stream_contraction(block)
-        self._mhc_block = None if block is None else weakref.ref(block)
-        if block is not None:  # the layer after this one in its block: _hyper_connection_after
-            _BLOCK_LAYERS.setdefault(block, {})[self.layer_number] = weakref.ref(self)
+        _refuse_block_without_stream_contraction(_enclosing_block())
 
     def forward(self, *args, **kwargs):
         """Megatron's forward; with ``mhc_recompute`` inside this layer's recompute block."""
@@ -266,29 +252,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 dtype=h.dtype, device=h.device, requires_grad=h.requires_grad,
             )
         return static_inputs
-
-
-# The mHC layers of each TransformerBlock by global layer number, as built (weakly).
-_BLOCK_LAYERS: "weakref.WeakKeyDictionary[TransformerBlock, dict]" = weakref.WeakKeyDictionary()
-
-
-def _hyper_connection_after(layer: "HyperConnectionTransformerLayer | None", sublayer: str):
-    """The hyper-connection whose pre reads the output of ``layer``'s ``sublayer`` combine:
-    the layer's MLP one after the attention; after the MLP, the attention one of the next
-    layer of the same block (the block runs its layers in order), unless that layer expands
-    the streams itself (an MTP layer). None where unknown. A wrong guess costs only time: the
-    pre uses a projection hand-off only for its own ``phi`` and the very tensor it was formed
-    from (:class:`~mhc_megatron.kernels.handoff.ProjectionHandoff`)."""
-    if layer is None:
-        return None
-    if sublayer == "attention":
-        return layer.mlp_hyper_connection
-    block = layer._mhc_block() if layer._mhc_block is not None else None
-    ref = _BLOCK_LAYERS.get(block, {}).get(layer.layer_number + 1) if block is not None else None
-    nxt = ref() if ref is not None else None
-    if nxt is None or not getattr(nxt, "mhc_enabled", False) or nxt.expands_streams:
-        return None
-    return nxt.self_attention_hyper_connection
 
 
 def _say_mhc_is_off(config) -> None:
