@@ -5,12 +5,10 @@
 
 One process, side by side, per config and spec family: ``baseline`` (Megatron's own GPT block
 spec), ``mHC`` (n=4, Triton kernels) and ``mHC + recompute`` (``mhc_recompute``, eq. 20
-blocks); ``--runs`` picks a subset (e.g. ``--runs mhc recompute``); ``--runs ... handoff``
-adds ``mHC + hand-off``, the mHC model with ``MHC_PROJECTION_HANDOFF=1`` in its steps (each
-combine forms the next pre's projection: ``mhc_megatron.kernels.handoff``), compared with
-mHC. A step is forward + backward of one micro-batch (bf16 weights and activations, no
-optimiser: it is the same for all runs); reported: median step time, tokens/s, peak memory
-allocated during the step, and mHC's overhead next to its byte floor.
+blocks); ``--runs`` picks a subset (e.g. ``--runs mhc recompute``). A step is forward +
+backward of one micro-batch (bf16 weights and activations, no optimiser: it is the same for
+all three); reported: median step time, tokens/s, peak memory allocated during the step,
+and mHC's overhead next to its byte floor.
 
 Configs (``--layers`` etc. override):
 
@@ -86,19 +84,14 @@ from bench_mhc import N, copy_bandwidth, sublayer_bytes  # benchmarks/ is on sys
 sys.path.insert(0, ".")
 
 GIB = 1024**3
-# mhc_megatron.kernels.handoff.PROJECTION_HANDOFF_ENV, on in the "+ hand-off" runs' steps; not
-# imported: device_e2e.sh's OLD runs this script against package copies that predate it
-HANDOFF_ENV = "MHC_PROJECTION_HANDOFF"
 CONFIGS = {
     "dense": dict(layers=8, hidden=4096, ffn=11008, heads=32, seq=4096, mbs=1),
     "moe": dict(layers=8, hidden=2048, ffn=1408, heads=16, seq=4096, mbs=1, experts=64, topk=6,
                 shared=2816),
 }
 SMOKE = dict(layers=2, hidden=64, ffn=128, heads=4, seq=64, mbs=2)
-RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True),
-        ("mHC + hand-off", True, False), ("mHC + recompute + hand-off", True, True)]
-RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute",
-            "handoff": "mHC + hand-off", "recompute_handoff": "mHC + recompute + hand-off"}
+RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True)]
+RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute"}
 # --graphs: the same models with Megatron's local per-layer CUDA graphs (no mhc_recompute: the
 # config refuses it with per-layer graphs)
 GRAPH_RUNS = [("baseline + graphs", False, False), ("mHC + graphs", True, False)]
@@ -112,15 +105,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS),
-                   default=["baseline", "mhc", "recompute"],
-                   help="the runs to measure (default baseline, mhc, recompute); handoff, "
-                        "recompute_handoff: mHC (+ recompute) with MHC_PROJECTION_HANDOFF=1 in "
-                        "its steps (compared with mhc)")
+    p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS), default=list(RUN_KEYS),
+                   help="the runs to measure (default all): baseline, mhc, recompute")
     p.add_argument("--tile", action="append", default=[], metavar="NAME=V,V,...",
-                   help="set a field of the kernels' TILES for every run (e.g. "
-                        "combine_proj=64,32,4,2: a tile a probe found, measured in a step "
-                        "before it becomes the default); repeatable")
+                   help="set a field of the kernels' TILES for every run (e.g. dx=64,64,4,3: "
+                        "a tile a probe found, measured in a step before it becomes the "
+                        "default); repeatable")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--graphs", action="store_true",
                    help="add baseline and mHC with Megatron's local per-layer CUDA graphs; "
@@ -427,38 +417,15 @@ def profile_report(cfg_name: str, spec: str, profiles: dict[str, dict]) -> list[
     return lines
 
 
-def with_handoff(step, handoff: bool):
-    """``step`` with ``MHC_PROJECTION_HANDOFF=1`` while it runs (``handoff``), else itself."""
-    if not handoff:
-        return step
-
-    def handed():
-        old = os.environ.get(HANDOFF_ENV)
-        os.environ[HANDOFF_ENV] = "1"
-        try:
-            step()
-        finally:
-            if old is None:
-                del os.environ[HANDOFF_ENV]
-            else:
-                os.environ[HANDOFF_ENV] = old
-
-    return handed
-
-
-def is_handoff(run: str) -> bool:
-    return run.endswith("+ hand-off")
-
-
 def measure_run(shape: dict, spec: str, mhc: bool, recompute: bool, device, args,
-                graphs: bool = False, handoff: bool = False):
+                graphs: bool = False):
     """Build one run's model, measure its step (and profile it with ``--profile``), free it
     (and its CUDA graphs). Returns ``measure``'s dict and the profile (``None`` without
     ``--profile``)."""
     from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
     model, _ = build(shape, spec, mhc, recompute, device, graphs=graphs, ddp=args.graphs)
-    step = with_handoff(make_step(model, shape, spec, device, graphs=graphs), handoff)
+    step = make_step(model, shape, spec, device, graphs=graphs)
     r = measure(step, shape["mbs"] * shape["seq"], args.steps, args.warmup)
     prof = {**profile_device(step), **profile_host(step)} if args.profile else None
     del model, step
@@ -478,7 +445,7 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
     graphs = name.endswith("+ graphs")  # compared with the graphed baseline
     base_ms, mhc_ms = ms.get("baseline + graphs" if graphs else "baseline"), ms.get("mHC")
     rel = f"{r['ms'] / base_ms:.3f}x" if base_ms else "-"
-    rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if (recompute or is_handoff(name)) and mhc_ms else "-"
+    rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if recompute and mhc_ms else "-"
     floor = over = "-"
     if mhc:
         floor_ms = floor_bytes(shape, recompute) / (bw * 1e9) * 1e3
@@ -508,8 +475,7 @@ def interleaved_runs(shape: dict, spec: str, runs: list, device, args) -> dict:
     dict with ``ms`` the median of the round medians and ``spread`` their (min, max)."""
     models = {run: build(shape, spec, mhc, recompute, device)[0]
               for run, mhc, recompute, _ in runs}
-    steps = {run: with_handoff(make_step(model, shape, spec, device), is_handoff(run))
-             for run, model in models.items()}
+    steps = {run: make_step(model, shape, spec, device) for run, model in models.items()}
     rounds: dict[str, list] = {run: [] for run in steps}
     for k in range(args.interleave):
         for run, step in steps.items():
@@ -595,7 +561,7 @@ def main(argv=None):
         cfg_name, spec, run = json.loads(args.child_run)
         _, mhc, recompute, graphs = next(r for r in run_table(args) if r[0] == run)
         result = measure_run(config_shape(cfg_name, args), spec, mhc, recompute, device, args,
-                             graphs, is_handoff(run))
+                             graphs)
         print(CHILD_RESULT + json.dumps(result), flush=True)
         parallel_state.destroy_model_parallel()
         return
@@ -604,7 +570,6 @@ def main(argv=None):
     lines = [f"{name}; torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s (read+write); "
              f"n={N}, bf16, forward+backward of one micro-batch, median of {args.steps}"
              + ("; automatic GC on" if args.auto_gc else "; GC off in timed steps")
-             + f"; {HANDOFF_ENV}={os.environ.get(HANDOFF_ENV, '0')} outside the hand-off runs"
              + tiles
              + ("; --graphs: every run in Megatron's DDP, MoE drop-and-pad" if args.graphs
                 else ""), "",
@@ -627,8 +592,7 @@ def main(argv=None):
                 elif args.isolate:
                     r, prof = isolated_run(argv, cfg_name, spec, run)
                 else:
-                    r, prof = measure_run(shape, spec, mhc, recompute, device, args, graphs,
-                                          is_handoff(run))
+                    r, prof = measure_run(shape, spec, mhc, recompute, device, args, graphs)
                 ms[run] = r["ms"]
                 if prof is not None:
                     profiles.setdefault((cfg_name, spec), {})[run] = prof

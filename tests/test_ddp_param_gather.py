@@ -5,7 +5,8 @@ every module; the hook waits for the group's all-gather and dispatches the next)
 mapping parameters live in :class:`HyperConnectionModule`, whose ``pre`` reads them: it runs
 through the module call, so that the hook has waited before.
 
-Two CPU ranks over gloo, buckets of a few parameters (the mapping parameters in bucket groups
+Two ranks, CPU over gloo (CI) or one GPU each over NCCL with the Triton kernels (where two GPUs
+are visible: there the all-gathers are truly asynchronous), buckets of a few parameters (the mapping parameters in bucket groups
 of their own, so nothing else waits for them): three steps with the overlap give the losses
 and parameters of three steps without it, bit for bit (the gradients' reduce-scatter is not
 overlapped in either run: only the parameters' all-gather differs). (Before ``pre`` ran through the module
@@ -19,17 +20,24 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import child_env, run_child
 
 THIS = Path(__file__).resolve()
 STEPS = 3
+DEVICE_ENV = "MHC_DDP_TEST_DEVICE"  # what the torchrun processes run on: cpu or cuda
 
 
-def test_overlap_param_gather_equals_synchronous_gather():
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"))])
+def test_overlap_param_gather_equals_synchronous_gather(device):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(THIS)]
-    run = run_child(cmd, child_env(cpu_only=True), timeout=300)
+    run = run_child(cmd, child_env(cpu_only=device == "cpu", **{DEVICE_ENV: device}),
+                    timeout=300)
     assert run.returncode == 0 and "PARAM GATHER CHECKS PASSED" in run.stdout, \
         run.stdout[-6000:]
 
@@ -38,10 +46,10 @@ def test_overlap_param_gather_equals_synchronous_gather():
 # What the torchrun processes run.
 # ---------------------------------------------------------------------------------------
 
-def _train(overlap: bool):
+def _train(overlap: bool, device: str):
     """Three steps of a tiny bf16 mHC GPT in Float16Module + DDP + the distributed
-    optimiser: (per-step losses, final parameters, the HyperConnectionModule forward
-    pre-hook calls)."""
+    optimiser, on ``device`` (reference ops on CPU, Triton kernels on CUDA): (per-step
+    losses, final parameters, the HyperConnectionModule forward pre-hook calls)."""
     sys.path.insert(0, str(THIS.parent))
     from helpers import batch, build_gpt, lm_loss, tiny_config
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -51,8 +59,9 @@ def _train(overlap: bool):
     from mhc_megatron.layers.hyper_connection import HyperConnectionModule
 
     torch.manual_seed(1234)
-    config = tiny_config(bf16=True, params_dtype=torch.bfloat16, num_layers=2)
-    model = Float16Module(config, build_gpt(config))
+    config = tiny_config(bf16=True, params_dtype=torch.bfloat16, num_layers=2,
+                         mhc_kernel_backend="triton" if device == "cuda" else "reference")
+    model = Float16Module(config, build_gpt(config, device=device))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_param_gather=overlap,
         overlap_grad_reduce=False, bucket_size=2000), model)
@@ -67,7 +76,7 @@ def _train(overlap: bool):
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        loss = lm_loss(ddp, batch(seed=100 * step + rank))
+        loss = lm_loss(ddp, batch(seed=100 * step + rank, device=device))
         loss.backward()
         ddp.finish_grad_sync()
         ok, _, _ = opt.step()
@@ -80,15 +89,22 @@ def _train(overlap: bool):
 
 
 def _main() -> None:
+    import os
+
     from megatron.core import parallel_state
 
-    from mhc_megatron.testing import cpu_training
+    device = os.environ.get(DEVICE_ENV, "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
+    else:
+        from mhc_megatron.testing import cpu_training
 
-    cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
-    torch.distributed.init_process_group("gloo")
+        cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
+        torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
-    sync_losses, sync_params, sync_calls = _train(overlap=False)
-    losses, params, calls = _train(overlap=True)
+    sync_losses, sync_params, sync_calls = _train(overlap=False, device=device)
+    losses, params, calls = _train(overlap=True, device=device)
     for step, (a, b) in enumerate(zip(losses, sync_losses)):
         assert torch.equal(a, b), (step, a.item(), b.item())
     assert params.keys() == sync_params.keys()
@@ -98,7 +114,8 @@ def _main() -> None:
     assert sync_calls == calls == 4 * STEPS, (sync_calls, calls)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        print("PARAM GATHER CHECKS PASSED", flush=True)
+        print(f"PARAM GATHER CHECKS PASSED ({device}, losses {[x.item() for x in losses]})",
+              flush=True)
     torch.distributed.destroy_process_group()
 
 
