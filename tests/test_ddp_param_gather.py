@@ -17,16 +17,22 @@ shard of the mapping parameters before its new values had arrived.)
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from helpers import child_env, run_child
+DEVICE_ENV = "MHC_DDP_TEST_DEVICE"  # what the torchrun processes run on: cpu or cuda
+if __name__ == "__main__" and os.environ.get(DEVICE_ENV, "cpu") == "cpu":
+    # CPU ranks on a host with Transformer Engine too: Megatron's optimisers would take TE's
+    # CUDA-only multi-tensor kernels whenever TE is importable
+    sys.modules["transformer_engine"] = None
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import child_env, run_child  # noqa: E402
 
 THIS = Path(__file__).resolve()
 STEPS = 3
-DEVICE_ENV = "MHC_DDP_TEST_DEVICE"  # what the torchrun processes run on: cpu or cuda
 
 
 @pytest.mark.parametrize("device", [
@@ -89,9 +95,7 @@ def _train(overlap: bool, device: str):
 
 
 def _main() -> None:
-    import os
-
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
     device = os.environ.get(DEVICE_ENV, "cpu")
     if device == "cuda":
@@ -103,6 +107,8 @@ def _main() -> None:
         cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
         torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
+    if device == "cuda":  # Megatron's CUDA RNG tracker (its attention forks it)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
     sync_losses, sync_params, sync_calls = _train(overlap=False, device=device)
     losses, params, calls = _train(overlap=True, device=device)
     for step, (a, b) in enumerate(zip(losses, sync_losses)):
