@@ -28,6 +28,14 @@ x + y + x, backward 3x + 3y, i.e. 6x + 5y; with ``mhc_recompute`` the forward op
 this GPU, that is the time mHC cannot go below (its GEMMs for the mappings are negligible at
 these widths).
 
+Two-phase floor: the bytes of the passes an mHC sublayer inside Megatron's layer cannot avoid
+(``bench_mhc.sublayer_pass_bytes``): pre's mappings need the whole row's projection before
+its aggregate (forward reads x twice), and Megatron runs the sublayer's backward between the
+combine's backward and pre's, whose per-token reductions come before its dx pass (backward
+reads x three times and g twice), i.e. 10x + 6y a sublayer; with ``mhc_recompute`` plus the
+fused replay (2x + 2y). At n=4 it is 1.59x the byte floor, so an overhead within 1.25x of the
+byte floor is out of reach for any such implementation.
+
 ``--profile`` profiles one more step of every run (twice: once for device time, once with
 Python stacks for the host side) and adds, per config and spec: device time by kernel category
 (mHC Triton kernels, GEMMs, attention, copies and elementwise, other), the step time not
@@ -79,7 +87,12 @@ import sys
 import time
 
 import torch
-from bench_mhc import N, copy_bandwidth, sublayer_bytes  # benchmarks/ is on sys.path
+from bench_mhc import (  # benchmarks/ is on sys.path
+    N,
+    copy_bandwidth,
+    sublayer_bytes,
+    sublayer_pass_bytes,
+)
 
 sys.path.insert(0, ".")
 
@@ -284,6 +297,18 @@ def floor_bytes(shape: dict, recompute: bool) -> float:
     return 2 * shape["layers"] * per_sublayer
 
 
+def pass_floor_bytes(shape: dict, recompute: bool) -> float:
+    """mHC's bytes per step at the two-phase floor (bench_mhc.sublayer_pass_bytes; see the
+    module docstring); ``mhc_recompute`` replays the combine with the next pre's aggregate in
+    one pass: x and f in, x' and y out."""
+    m, c = shape["mbs"] * shape["seq"], shape["hidden"]
+    per_sublayer = sum(sublayer_pass_bytes(m, c).values())
+    if recompute:
+        x = m * N * c * 2
+        per_sublayer += 2 * x + 2 * x / N
+    return 2 * shape["layers"] * per_sublayer
+
+
 CATEGORIES = [("mHC kernels", ("_proj_partial", "_mappings", "_aggregate", "_combine",
                                "_dhpre", "_pre_dx_dphi", "mhc")),
               ("GEMM", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "matmul")),
@@ -446,15 +471,17 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
     base_ms, mhc_ms = ms.get("baseline + graphs" if graphs else "baseline"), ms.get("mHC")
     rel = f"{r['ms'] / base_ms:.3f}x" if base_ms else "-"
     rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if recompute and mhc_ms else "-"
-    floor = over = "-"
+    floors = ["-"] * 4  # byte floor and overhead over it; the same for the two-phase floor
     if mhc:
-        floor_ms = floor_bytes(shape, recompute) / (bw * 1e9) * 1e3
-        floor = f"{floor_ms:.1f}"
-        if math.isfinite(floor_ms) and floor_ms > 0 and base_ms:
-            over = f"{(r['ms'] - base_ms) / floor_ms:.2f}"
+        for k, nbytes in enumerate((floor_bytes(shape, recompute),
+                                    pass_floor_bytes(shape, recompute))):
+            floor_ms = nbytes / (bw * 1e9) * 1e3
+            floors[2 * k] = f"{floor_ms:.1f}"
+            if math.isfinite(floor_ms) and floor_ms > 0 and base_ms:
+                floors[2 * k + 1] = f"{(r['ms'] - base_ms) / floor_ms:.2f}"
     peak = "-" if graphs else f"{r['peak_gib']:.2f}"
     return (f"| {cfg_name} | {spec} | {name} | {r['ms']:.1f} | {r['tokens_s']:,.0f} | "
-            f"{peak} | {rel} | {rel_mhc} | {floor} | {over} |")
+            f"{peak} | {rel} | {rel_mhc} | {' | '.join(floors)} |")
 
 
 CHILD_RESULT = "CHILD_RESULT "
@@ -574,8 +601,9 @@ def main(argv=None):
              + ("; --graphs: every run in Megatron's DDP, MoE drop-and-pad" if args.graphs
                 else ""), "",
              "| config | spec | run | step (ms) | tokens/s | peak alloc (GiB) | vs baseline "
-             "| vs mHC | mHC byte floor (ms) | overhead / floor |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs mHC | mHC byte floor (ms) | overhead / floor | two-phase floor (ms) "
+             "| overhead / two-phase floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     profiles = {}
     notes: list[str] = []  # --interleave: the spread of each run's round medians
     for cfg_name in args.configs:

@@ -73,6 +73,27 @@ def sublayer_bytes(m: int, c: int, elt: int = 2) -> dict:
     return {"pre fwd": x + y, "post fwd": x + y + x, "sublayer bwd": 3 * x + 3 * y}
 
 
+def sublayer_pass_bytes(m: int, c: int, elt: int = 2) -> dict:
+    """The bytes of the passes any mHC sublayer inside Megatron's layer must make (the
+    two-phase floor), for ``m`` tokens of ``n*C`` streams (x) and ``C`` channels (y):
+
+    * pre forward reads x twice: the mappings need the whole row's projection and RMS before
+      the aggregate can weight the streams (2x + y);
+    * combine forward: x and f in, x' out (2x + y);
+    * combine backward runs before the sublayer's backward (which needs its df): it reads g
+      and x (dH_res) and f (dH_post), writes df (2x + 2y);
+    * pre backward runs after it and is two phases again: the per-token reductions over the
+      whole row (dH_pre from x and dy) come before the mappings' backward, whose logit
+      gradients dx and dphi need, so x is read twice more; the dx pass also reads g (H_res^T
+      g) and dy and writes dx (4x + 2y).
+
+    10x + 6y against :func:`sublayer_bytes`' 6x + 5y (each tensor touched once)."""
+    x = m * N * c * elt
+    y = x / N
+    return {"pre fwd": 2 * x + y, "post fwd": x + y + x, "post bwd": 2 * x + 2 * y,
+            "pre bwd": 4 * x + 2 * y}
+
+
 class Case:
     """Inputs of one size: streams x, per-sublayer phi and f, shared alpha / bias / f bias,
     upstream gradients; plus the same bytes in TE's stream-minor layout."""
