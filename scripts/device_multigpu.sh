@@ -11,7 +11,10 @@
 #                   on 4 GPUs: tp2pp2 = TP=2 + SP x PP=2, pp2dp2 = PP=2 x DP=2 (dist. opt.).
 #   PHASE=dist      tests/test_distributed.py on the GPUs (TP/EP/checkpoint-resharding/CP
 #                   equivalence; with TE's specs and with Megatron's local modules; with 4
-#                   GPUs also TP=2 x PP=2).
+#                   GPUs also TP=2 x PP=2); stops at the first failure, with its report;
+#                   K: a -k filter.
+#   PHASE=ddp       tests/test_ddp_param_gather.py over NCCL (DDP overlap_param_gather), and
+#                   once more against a copy of the package with the bug it guards.
 #   PHASE=example   the GPU cases of tests/test_pretrain_example.py (K: a -k filter; with 4
 #                   GPUs also the 3-D layouts and the TP=2 x PP=2 checkpoint resharding).
 #   PHASE=ppcompare mHC n=4 at PP=2 against PP=1 from one checkpoint: a PP=1 run saves after
@@ -89,8 +92,25 @@ PY
 elif [ "$PHASE" = p2p ]; then
   torchrun --standalone --nproc-per-node=2 benchmarks/bench_pp_p2p.py --out "$OUT/p2p.md" 2>&1 | tail -15
 elif [ "$PHASE" = dist ]; then
-  python3 -m pytest tests/test_distributed.py -v -s -p no:cacheprovider -k "not cpu" 2>&1 \
-    | grep -E "PASS|PASSED|FAILED|SKIPPED|Error|error|passed|failed" | cut -c1-600 | tee "$OUT/dist_tests.log"
+  # every failure's report as it happens (-x: the first stops the run), each test bounded, so
+  # a call cut short still shows why; K: a -k filter (e.g. "tensor_parallel and cuda-te")
+  opts=(-v -s -p no:cacheprovider -x -rfE -k "not cpu ${K:+and ($K)}")
+  python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout "${PER_TEST:-240}")
+  python3 -m pytest tests/test_distributed.py "${opts[@]}" > "$OUT/dist_tests.log" 2>&1
+  echo "dist rc=$?"; grep -E "PASSED|FAILED|SKIPPED|Error|passed|failed" "$OUT/dist_tests.log" \
+    | cut -c1-600 | tail -40
+elif [ "$PHASE" = ddp ]; then
+  # DDP overlap_param_gather over NCCL (tests/test_ddp_param_gather.py, Triton kernels), then
+  # the same test against the bug it guards (pre as a plain method: no forward pre-hook): it
+  # must fail there
+  python3 -m pytest tests/test_ddp_param_gather.py -v -s -p no:cacheprovider -rfE \
+    > "$OUT/ddp.log" 2>&1; echo "ddp rc=$?"; grep -E "PARAM GATHER|passed|failed" "$OUT/ddp.log"
+  rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r mhc_megatron tests pyproject.toml /tmp/mutant/
+  sed -i 's/        return self(streams)$/        return self.forward(streams)/' \
+    /tmp/mutant/mhc_megatron/layers/hyper_connection.py
+  ( cd /tmp/mutant && PYTHONPATH="${PYTHONPATH/$PWD//tmp/mutant}" python3 -m pytest \
+      tests/test_ddp_param_gather.py -k cuda -q -p no:cacheprovider > "$OUT/ddp_mutant.log" 2>&1
+    echo "ddp against the bug rc=$? (1 expected)" )
 elif [ "$PHASE" = example ]; then
   python3 -m pytest tests/test_pretrain_example.py -v -p no:cacheprovider -k "(cuda or gpu) ${K:+and ($K)}" \
     --durations=20 2>&1 | tail -120 | tee "$OUT/example_tests.log"
