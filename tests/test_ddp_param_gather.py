@@ -5,14 +5,15 @@ every module; the hook waits for the group's all-gather and dispatches the next)
 mapping parameters live in :class:`HyperConnectionModule`, whose ``pre`` reads them: it runs
 through the module call, so that the hook has waited before.
 
-Two ranks, CPU over gloo (CI) or one GPU each over NCCL with the Triton kernels (where two GPUs
-are visible: there the all-gathers are truly asynchronous), buckets of a few parameters (the mapping parameters in bucket groups
-of their own, so nothing else waits for them): three steps with the overlap give the losses
-and parameters of three steps without it, bit for bit (the gradients' reduce-scatter is not
-overlapped in either run: only the parameters' all-gather differs). (Before ``pre`` ran through the module
-call, the mapping parameters' all-gathers were dispatched and never waited for, and Megatron
-asserted at the next step's dispatch; with larger buckets ``pre`` could read another rank's
-shard of the mapping parameters before its new values had arrived.)
+Two ranks, CPU over gloo (CI) or one GPU each over NCCL with the Triton kernels (where two
+GPUs are visible: there the all-gathers are truly asynchronous), buckets of a few parameters
+(the mapping parameters in bucket groups of their own, so nothing else waits for them): three
+steps with the overlap give the losses and parameters of three steps without it, bit for bit
+(the gradients' reduce-scatter is not overlapped in either run: only the parameters'
+all-gather differs). (Before ``pre`` ran through the module call, the mapping parameters'
+all-gathers were dispatched and never waited for, and Megatron asserted at the next step's
+dispatch; with larger buckets ``pre`` could read another rank's shard of the mapping
+parameters before its new values had arrived.)
 """
 
 from __future__ import annotations
