@@ -118,6 +118,12 @@ def test_pretrain_with_cuda_graphs_equals_eager(corpus, impl):
     assert pick(graphed) == pick(eager)
 
 
+# Megatron's graph warm-up (TransformerConfig.cuda_graph_warmup_steps, 3 by default) runs
+# eager before the capture: 3 iterations of 2 micro-batches (test_pretrain_example's flags)
+EAGER_MICRO_BATCHES = 3 * 2
+NOISE_FACTOR = 4
+
+
 @needs_gpu
 @needs_te_graphs
 def test_pretrain_with_te_cuda_graphs_differs_from_eager_as_little_as_the_baseline(corpus):
@@ -142,12 +148,6 @@ def test_pretrain_with_te_cuda_graphs_differs_from_eager_as_little_as_the_baseli
         assert graphed.train[:EAGER_MICRO_BATCHES] == eager.train[:EAGER_MICRO_BATCHES], name
         gaps[name] = max(abs(g - e) / abs(e) for g, e in zip(graphed.train, eager.train))
     assert gaps["mhc"] <= NOISE_FACTOR * max(gaps["baseline"], 1e-6), gaps
-
-
-# Megatron's graph warm-up (TransformerConfig.cuda_graph_warmup_steps, 3 by default) runs
-# eager before the capture: 3 iterations of 2 micro-batches (test_pretrain_example's flags)
-EAGER_MICRO_BATCHES = 3 * 2
-NOISE_FACTOR = 4
 
 
 # ------------------------------------------------------------------ static inputs (CPU too)
