@@ -308,14 +308,10 @@ def floor_bytes(shape: dict, recompute: bool) -> float:
 
 def pass_floor_bytes(shape: dict, recompute: bool) -> float:
     """mHC's bytes per step at the two-phase floor (bench_mhc.sublayer_pass_bytes; see the
-    module docstring); ``mhc_recompute`` replays the combine with the next pre's aggregate in
-    one pass: x and f in, x' and y out."""
-    m, c = shape["mbs"] * shape["seq"], shape["hidden"]
-    per_sublayer = sum(sublayer_pass_bytes(m, c).values())
-    if recompute:
-        x = m * N * c * 2
-        per_sublayer += 2 * x + 2 * x / N
-    return 2 * shape["layers"] * per_sublayer
+    module docstring)."""
+    passes = sublayer_pass_bytes(shape["mbs"] * shape["seq"], shape["hidden"],
+                                 recompute=recompute)
+    return 2 * shape["layers"] * sum(passes.values())
 
 
 CATEGORIES = [("mHC kernels", ("_proj_partial", "_mappings", "_aggregate", "_combine",

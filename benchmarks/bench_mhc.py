@@ -73,7 +73,7 @@ def sublayer_bytes(m: int, c: int, elt: int = 2) -> dict:
     return {"pre fwd": x + y, "post fwd": x + y + x, "sublayer bwd": 3 * x + 3 * y}
 
 
-def sublayer_pass_bytes(m: int, c: int, elt: int = 2) -> dict:
+def sublayer_pass_bytes(m: int, c: int, elt: int = 2, recompute: bool = False) -> dict:
     """The bytes of the passes any mHC sublayer inside Megatron's layer must make (the
     two-phase floor), for ``m`` tokens of ``n*C`` streams (x) and ``C`` channels (y):
 
@@ -87,11 +87,16 @@ def sublayer_pass_bytes(m: int, c: int, elt: int = 2) -> dict:
       gradients dx and dphi need, so x is read twice more; the dx pass also reads g (H_res^T
       g) and dy and writes dx (4x + 2y).
 
-    10x + 6y against :func:`sublayer_bytes`' 6x + 5y (each tensor touched once)."""
+    10x + 6y against :func:`sublayer_bytes`' 6x + 5y (each tensor touched once). With
+    ``recompute`` (``mhc_recompute``) also its replay: the combine with the next pre's
+    aggregate in one pass, x and f in, x' and y out (2x + 2y)."""
     x = m * N * c * elt
     y = x / N
-    return {"pre fwd": 2 * x + y, "post fwd": x + y + x, "post bwd": 2 * x + 2 * y,
-            "pre bwd": 4 * x + 2 * y}
+    passes = {"pre fwd": 2 * x + y, "post fwd": x + y + x, "post bwd": 2 * x + 2 * y,
+              "pre bwd": 4 * x + 2 * y}
+    if recompute:
+        passes["replay"] = 2 * x + 2 * y
+    return passes
 
 
 class Case:

@@ -18,15 +18,15 @@ parameters before its new values had arrived.)
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-DEVICE_ENV = "MHC_DDP_TEST_DEVICE"  # what the torchrun processes run on: cpu or cuda
-if __name__ == "__main__" and os.environ.get(DEVICE_ENV, "cpu") == "cpu":
-    # CPU ranks on a host with Transformer Engine too: Megatron's optimisers would take TE's
-    # CUDA-only multi-tensor kernels whenever TE is importable
-    sys.modules["transformer_engine"] = None
+if __name__ == "__main__":
+    # the torchrun processes: the multi-rank tests' harness picks the device (MHC_DIST_DEVICE)
+    # and hides TE from CPU ranks (Megatron's optimisers would take TE's CUDA-only
+    # multi-tensor kernels whenever TE is importable)
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+    import harness
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -43,7 +43,7 @@ STEPS = 3
 def test_overlap_param_gather_equals_synchronous_gather(device):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(THIS)]
-    run = run_child(cmd, child_env(cpu_only=device == "cpu", **{DEVICE_ENV: device}),
+    run = run_child(cmd, child_env(cpu_only=device == "cpu", MHC_DIST_DEVICE=device),
                     timeout=300)
     assert run.returncode == 0 and "PARAM GATHER CHECKS PASSED" in run.stdout, \
         run.stdout[-6000:]
@@ -67,7 +67,7 @@ def _train(overlap: bool, device: str):
 
     torch.manual_seed(1234)
     config = tiny_config(bf16=True, params_dtype=torch.bfloat16, num_layers=2,
-                         mhc_kernel_backend="triton" if device == "cuda" else "reference")
+                         mhc_kernel_backend=harness.KERNELS)
     model = Float16Module(config, build_gpt(config, device=device))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_param_gather=overlap,
@@ -96,20 +96,13 @@ def _train(overlap: bool, device: str):
 
 
 def _main() -> None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    device = os.environ.get(DEVICE_ENV, "cpu")
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.distributed.init_process_group("nccl")
-    else:
+    device = harness.DEVICE
+    if device == "cpu":
         from mhc_megatron.testing import cpu_training
 
         cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
-        torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(1, 1)
-    if device == "cuda":  # Megatron's CUDA RNG tracker (its attention forks it)
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    harness.init()  # gloo on CPU ranks, NCCL with one GPU a rank
+    harness.init_parallel(tp=1)  # and Megatron's RNG tracker (its attention forks it)
     sync_losses, sync_params, sync_calls = _train(overlap=False, device=device)
     losses, params, calls = _train(overlap=True, device=device)
     for step, (a, b) in enumerate(zip(losses, sync_losses)):
