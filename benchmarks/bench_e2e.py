@@ -16,8 +16,8 @@ Configs (``--layers`` etc. override):
 * ``moe``: DeepSeek-like, 8 layers, hidden 2048, 16 heads, 64 experts top-6 (expert FFN 1408,
   shared expert 2816), alltoall dispatcher, seq 4096, micro-batch 1; experts as TE's grouped
   GEMM with TE specs, as Megatron's SequentialMLP (its only local expert module) otherwise;
-* ``moe_wide`` (not in the default set): the same at hidden 4096, 32 heads, 16 experts top-2
-  (expert FFN 2816, shared expert 5632): ``moe``'s step is host-bound (its dispatcher syncs
+* ``moe_wide`` (not in the default set): the same at hidden 4096, 6 layers, 32 heads, 16
+  experts top-2 (expert FFN 2816, shared expert 5632): ``moe``'s step is host-bound (its dispatcher syncs
   with the host every layer) and its rounds spread +-12%; this one carries ~2.4x the GEMM
   work a token for the same syncs.
 
@@ -107,7 +107,10 @@ CONFIGS = {
                 shared=2816),
     # the issue's range at its wide end: more device work a layer against the same one host
     # sync a layer of the dispatcher, so a 2% difference can stand out of the host's noise
-    "moe_wide": dict(layers=8, hidden=4096, ffn=2816, heads=32, seq=4096, mbs=1, experts=16,
+    # 6 layers: --interleave holds its three runs' models (4.4B parameters each, bf16
+    # weights and grads: 49 GiB together; 8 layers would take 65) and a step's activations on
+    # one 80 GB H100
+    "moe_wide": dict(layers=6, hidden=4096, ffn=2816, heads=32, seq=4096, mbs=1, experts=16,
                      topk=2, shared=5632),
 }
 DEFAULT_CONFIGS = ["dense", "moe"]

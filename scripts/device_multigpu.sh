@@ -108,9 +108,12 @@ elif [ "$PHASE" = ddp ]; then
   rm -rf /tmp/mutant && mkdir -p /tmp/mutant && cp -r mhc_megatron tests pyproject.toml /tmp/mutant/
   sed -i 's/        return self(streams)$/        return self.forward(streams)/' \
     /tmp/mutant/mhc_megatron/layers/hyper_connection.py
-  ( cd /tmp/mutant && PYTHONPATH="${PYTHONPATH/$PWD//tmp/mutant}" python3 -m pytest \
-      tests/test_ddp_param_gather.py -k cuda -q -p no:cacheprovider > "$OUT/ddp_mutant.log" 2>&1
-    echo "ddp against the bug rc=$? (1 expected)" )
+  # the mutant first on the path, and the child names the package it ran (the project's own
+  # copy must not stand in for it: an editable install, or the repo root on the path)
+  ( cd /tmp/mutant && PYTHONPATH="/tmp/mutant:${PYTHONPATH/$PWD//tmp/mutant}" python3 -m pytest \
+      tests/test_ddp_param_gather.py -k cuda -q -p no:cacheprovider -rfE > "$OUT/ddp_mutant.log" 2>&1
+    echo "ddp against the bug rc=$? (1 expected)"; grep -o "AssertionError: .*\|package [^)]*" \
+      "$OUT/ddp_mutant.log" | sort | uniq -c | head -5 )
 elif [ "$PHASE" = example ]; then
   python3 -m pytest tests/test_pretrain_example.py -v -p no:cacheprovider -k "(cuda or gpu) ${K:+and ($K)}" \
     --durations=20 2>&1 | tail -120 | tee "$OUT/example_tests.log"

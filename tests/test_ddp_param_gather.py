@@ -114,8 +114,10 @@ def _main() -> None:
     assert sync_calls == calls == 4 * STEPS, (sync_calls, calls)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        print(f"PARAM GATHER CHECKS PASSED ({device}, losses {[x.item() for x in losses]})",
-              flush=True)
+        import mhc_megatron  # which copy ran (a mutant's run must name the mutant)
+
+        print(f"PARAM GATHER CHECKS PASSED ({device}, losses {[x.item() for x in losses]}, "
+              f"package {Path(mhc_megatron.__file__).parent})", flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -32,7 +32,11 @@ from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec  # noqa: E402
 from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
 
 USE_TE = DEVICE == "cuda" and HAVE_TE and os.environ.get("MHC_DIST_TE") != "0"
-KERNELS = "triton" if DEVICE == "cuda" else "reference"
+# MHC_DIST_KERNELS=reference runs the PyTorch reference ops on CUDA ranks too (to tell a
+# kernel's rounding from the layout's in a mismatch)
+KERNELS = os.environ.get("MHC_DIST_KERNELS") or ("triton" if DEVICE == "cuda" else "reference")
+if KERNELS not in ("triton", "reference"):
+    raise SystemExit(f"MHC_DIST_KERNELS must be triton or reference, got {KERNELS!r}")
 SPEC_FAMILY = "te" if USE_TE else "local"
 
 
@@ -87,6 +91,12 @@ def model(cfg):
 
 def describe() -> str:
     return f"device={DEVICE} spec={SPEC_FAMILY} kernels={KERNELS}"
+
+
+def worst_errors(errors: dict[str, float], k: int = 3) -> str:
+    """The ``k`` largest of ``{name: relative error}`` as ``name=err`` (a mismatch's context)."""
+    top = sorted(errors.items(), key=lambda item: -item[1])[:k]
+    return " ".join(f"{name}={err:.1e}" for name, err in top)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
