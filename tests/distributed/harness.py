@@ -23,6 +23,10 @@ if DEVICE not in ("cpu", "cuda"):
 if DEVICE == "cpu" or os.environ.get("MHC_DIST_TE") == "0":
     sys.modules["transformer_engine"] = None  # Megatron's local modules, also on a TE host
 
+if DEVICE == "cuda":
+    # Equivalence of parallel layouts, not of TF32 roundings: TE's GEMMs take TF32 for fp32
+    # operands whatever torch's allow_tf32 says; cuBLAS reads this before its first handle
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
