@@ -201,6 +201,17 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "mHC with pipeline parallelism needs variable_seq_lengths (the stage boundaries "
               "carry [s, b, n*C]), which Megatron 0.19 refuses with the allgather dispatcher",
               "set moe_token_dispatcher_type='alltoall' (--moe-token-dispatcher-type alltoall)")
+    if config.pipeline_model_parallel_size == 2 and \
+            config.virtual_pipeline_model_parallel_size is not None and \
+            config.batch_p2p_comm and not config.overlap_p2p_comm:
+        _fail("batch_p2p_comm / overlap_p2p_comm",
+              "the interleaved schedule at pipeline_model_parallel_size=2 with batched P2P "
+              "posts a send and a receive in each direction between the same two ranks in one "
+              "batch, and NCCL matches them in order, not by direction: activations and "
+              "gradients land in each other's buffers, silently (the streams and their "
+              "gradients have one shape; megatron.training refuses this layout too)",
+              "set overlap_p2p_comm=True and batch_p2p_comm=False (megatron.training's "
+              "default for the interleaved schedule), or use pipeline_model_parallel_size > 2")
     if config.mhc_recompute and config.recompute_granularity == "full":
         _fail("mhc_recompute / recompute_granularity",
               "mhc_recompute=True with 'full' recompute is not supported: Megatron's full "

@@ -74,6 +74,13 @@ REFUSED = {
     "pipeline_moe_allgather": (dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
                                     num_moe_experts=4, moe_token_dispatcher_type="allgather"),
                                "moe_token_dispatcher_type"),
+    # the interleaved schedule at PP=2 with batched P2P (TransformerConfig's defaults):
+    # NCCL would match the two directions' sends and receives in order (tests/distributed/
+    # pp_equivalence.py reproduced it on CPU ranks: gradients off by 250%)
+    "interleaved_pp2_batched_p2p": (dict(pipeline_model_parallel_size=2,
+                                         virtual_pipeline_model_parallel_size=2,
+                                         pipeline_dtype=torch.float32),
+                                    "batch_p2p_comm / overlap_p2p_comm"),
     "full_recompute_with_mhc_recompute": (
         dict(mhc_recompute=True, recompute_granularity="full", recompute_method="uniform",
              recompute_num_layers=1), "recompute_granularity"),
@@ -149,17 +156,21 @@ def test_fp32_mapping_params_in_a_bf16_model_are_accepted_quietly():
     assert not [w for w in caught if "mhc_params_dtype" in str(w.message)]
 
 
-@pytest.mark.parametrize("vp", [None, 2])
+@pytest.mark.parametrize("pp,vp,p2p", [
+    (2, None, {}),
+    (2, 2, dict(overlap_p2p_comm=True, batch_p2p_comm=False)),  # megatron.training's default
+    (4, 2, {}),  # batched P2P: one send and one receive a direction and peer
+], ids=["pp2", "pp2_vp2_overlap", "pp4_vp2_batched"])
 @pytest.mark.parametrize("experts", [None, 4])
-def test_pipeline_parallel_is_accepted_with_shape_exchange(vp, experts):
+def test_pipeline_parallel_is_accepted_with_shape_exchange(pp, vp, p2p, experts):
     """PP (and virtual stages) are accepted: the n streams cross the stage boundaries, so the
     config turns on Megatron's P2P shape exchange (variable_seq_lengths); a dense model's
     unused dispatcher becomes alltoall, which Megatron requires with it; an MoE model keeps
     the alltoall dispatcher it was given."""
     extra = dict(num_moe_experts=experts, moe_token_dispatcher_type="alltoall") if experts else {}
-    cfg = MHCTransformerConfig(**BASE, pipeline_model_parallel_size=2,
+    cfg = MHCTransformerConfig(**{**BASE, "num_layers": 8}, pipeline_model_parallel_size=pp,
                                virtual_pipeline_model_parallel_size=vp,
-                               pipeline_dtype=torch.float32, **extra)
+                               pipeline_dtype=torch.float32, **p2p, **extra)
     assert cfg.variable_seq_lengths and cfg.moe_token_dispatcher_type == "alltoall"
     plain = MHCTransformerConfig(**BASE)  # without PP nothing changes
     assert not plain.variable_seq_lengths and plain.moe_token_dispatcher_type == "allgather"

@@ -34,7 +34,12 @@ def _config(kind: str, pp: int, vp, recompute: bool):
         extra["mtp_num_layers"] = 1
     if recompute:  # blocks of 3 layers: counted per pipeline chunk, never across a boundary
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=3)
-    if harness.DEVICE == "cpu":
+    if vp:
+        # The interleaved schedule at PP=2 exchanges both directions between the same two
+        # ranks: unbatched, with the P2P overlap (megatron.training's default; batched P2P
+        # there mismatches the directions, and the config refuses it)
+        extra.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    elif harness.DEVICE == "cpu":
         # Batched P2P ends with torch.cuda.synchronize() instead of waiting on its requests,
         # a no-op on CPU ranks: with gloo, wait on each request instead.
         extra["batch_p2p_comm"] = False
