@@ -17,9 +17,9 @@ Configs (``--layers`` etc. override):
   shared expert 2816), alltoall dispatcher, seq 4096, micro-batch 1; experts as TE's grouped
   GEMM with TE specs, as Megatron's SequentialMLP (its only local expert module) otherwise;
 * ``moe_wide`` (not in the default set): the same at hidden 4096, 6 layers, 32 heads, 16
-  experts top-2 (expert FFN 2816, shared expert 5632): ``moe``'s step is host-bound (its dispatcher syncs
-  with the host every layer) and its rounds spread +-12%; this one carries ~2.4x the GEMM
-  work a token for the same syncs.
+  experts top-2 (expert FFN 2816, shared expert 5632): ``moe``'s step is host-bound (its
+  dispatcher syncs with the host every layer) and its rounds spread +-12%; this one carries
+  ~2.4x the GEMM work a token for the same syncs.
 
 Spec families: ``te`` (Transformer Engine's modules and fused attention: the form users run;
 needs TE) and ``local`` (Megatron's local modules, core attention replaced by torch SDPA's

@@ -75,8 +75,9 @@ REFUSED = {
                                     num_moe_experts=4, moe_token_dispatcher_type="allgather"),
                                "moe_token_dispatcher_type"),
     # the interleaved schedule at PP=2 with batched P2P (TransformerConfig's defaults):
-    # NCCL would match the two directions' sends and receives in order (tests/distributed/
-    # pp_equivalence.py reproduced it on CPU ranks: gradients off by 250%)
+    # NCCL (and gloo) match the two directions' sends and receives in order, so activations
+    # and gradients swap buffers (reproduced with tests/distributed/pp_equivalence.py on CPU
+    # ranks: micro-batch 2's loss off, gradients off by more than their own norm)
     "interleaved_pp2_batched_p2p": (dict(pipeline_model_parallel_size=2,
                                          virtual_pipeline_model_parallel_size=2,
                                          pipeline_dtype=torch.float32),

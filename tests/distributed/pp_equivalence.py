@@ -144,7 +144,8 @@ def check(kind: str, vp, recompute: bool) -> None:
     torch.distributed.all_gather_object(both, sorted(mine))
     for g in sorted(set(both[0]) & set(both[1])):
         torch.distributed.all_reduce(mine[g].grad, group=parallel_state.get_pipeline_model_parallel_group())
-    grads = {_global(n, off): p.grad for model, off in chunks for n, p in model.named_parameters()}
+    grads = {_global(n, off): p.grad
+             for model, off in chunks for n, p in model.named_parameters()}
     errors = {g: harness.relative_error(grad, ref_grads[g]) for g, grad in grads.items()}
     print(f"GRAD ERRORS rank={torch.distributed.get_rank()} pp=2 vp={vp} kind={kind} "
           f"recompute={recompute} worst: {harness.worst_errors(errors)}", flush=True)

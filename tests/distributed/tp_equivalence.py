@@ -76,8 +76,8 @@ def check(kind: str, sp: bool, recompute: bool = False, mhc: bool = True) -> Non
 
     expected = {n: _shard(ref_grads[n], p, rank, tp) for n, p in model.named_parameters()}
     errors = {n: harness.relative_error(p.grad, expected[n]) for n, p in model.named_parameters()}
-    print(f"GRAD ERRORS rank={rank} {'mHC' if mhc else 'baseline'} kind={kind} sp={sp} recompute={recompute} worst: "
-          f"{harness.worst_errors(errors)}", flush=True)
+    print(f"GRAD ERRORS rank={rank} {'mHC' if mhc else 'baseline'} kind={kind} sp={sp} "
+          f"recompute={recompute} worst: {harness.worst_errors(errors)}", flush=True)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     checked_mhc, worst = 0, max(errors.values())
     for n, p in model.named_parameters():
