@@ -329,6 +329,7 @@ CATEGORIES = [("mHC kernels", ("_proj_partial", "_mappings", "_aggregate", "_com
                                "_dhpre", "_pre_dx_dphi", "mhc")),
               ("GEMM", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "matmul")),
               ("attention", ("flash", "fmha", "attn", "attention", "sdpa")),
+              ("norms (TE's, torch's)", ("rmsnorm", "layernorm", "layer_norm", "rms_norm")),
               ("copies, elementwise", ("copy", "memcpy", "memset", "elementwise", "vectorized",
                                        "reduce", "cat", "index", "fill"))]
 NOT_COVERED = "not covered by kernels (launch, Python, syncs)"
