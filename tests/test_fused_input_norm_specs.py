@@ -33,6 +33,8 @@ MLP_KEY = "mlp_hyper_connection.norm_weight"
 LOCAL_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Megatron puts RoPE there
+
 
 def _fused_config(**overrides):
     return tiny_config(normalization="RMSNorm", mhc_fuse_input_norm=True, **overrides)
@@ -358,9 +360,9 @@ def _unfused_and_fused(kind: str):
 
     extra = moe_overrides() if kind == "moe" else {}
     setup_cpu_megatron(seed=1234)
-    unfused = build_gpt(tiny_config(normalization="RMSNorm", **extra))
+    unfused = build_gpt(tiny_config(normalization="RMSNorm", **extra), DEV)
     setup_cpu_megatron(seed=1234)
-    fused = build_gpt(_fused_config(**extra))
+    fused = build_gpt(_fused_config(**extra), DEV)
     with torch.no_grad():
         for name, p in unfused.named_parameters():
             if "layernorm" in name and "final" not in name:
@@ -400,7 +402,7 @@ def test_fused_forward_matches_unfused(seeded, tmp_path, kind):
     unfused, fused = _unfused_and_fused(kind)
     dist_checkpointing.save(unfused.sharded_state_dict(), str(tmp_path))
     fused.load_state_dict(dist_checkpointing.load(fused.sharded_state_dict(), str(tmp_path)))
-    ids, pos, mask, _ = batch(seed=7)
+    ids, pos, mask, _ = batch(seed=7, device=DEV)
     unfused.eval()
     fused.eval()
     with torch.no_grad():

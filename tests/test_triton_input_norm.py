@@ -80,13 +80,28 @@ def test_pre_with_input_norm_matches_reference(t, n, c, dtype):
     outs, g = _run(triton_mhc.pre, triton_mhc.input_norm, x, phi, alpha, bias, w, grads)
     outs0, g0 = _run(_reference_pre, ref.input_norm, x, phi, alpha, bias, w, grads)
     assert outs[0].dtype == dtype and g[4].dtype == w.dtype
+    runs = [outs + g, outs0 + g0]
+    if dtype != torch.float32:  # and the math without 16-bit roundings (see below)
+        runs.append(sum(_run(_reference_pre, ref.input_norm, x.float(), phi, alpha, bias, w,
+                             [gr.float() for gr in grads]), []))
     if n == 1:
         # RMSNorm(h_pre * x) does not depend on a scalar h_pre > 0: H_pre's gradients (phi's
-        # row 0, bias[0], alpha[0]) are 0 in exact math, rounding noise in either
-        # implementation (the reference's larger: it rounds dy to x's dtype)
-        for grads_ in (g, g0):
-            grads_[1:4] = [grads_[1][1:], grads_[2][1:], grads_[3][1:]]
-    _assert_close(outs + g, outs0 + g0, dtype)
+        # row 0, bias[0], alpha[0]) are 0 in exact math, rounding noise in any implementation
+        for run in runs:
+            run[4:7] = [run[4][1:], run[5][1:], run[6][1:]]
+    if dtype == torch.float32:
+        _assert_close(runs[0], runs[1], dtype)
+        return
+    # 16-bit x: RMSNorm(y) is invariant to a common scale of H_pre, so H_pre's gradient is
+    # orthogonal to H_pre, a difference of two near-equal sums over C: its 16-bit rounding
+    # noise (of y in the forward, of dy in the reference's backward) is a few per cent of
+    # alpha_pre's gradient. Both implementations are held to the fp32 math: the fused one
+    # within the tolerance or twice the reference's own error, whichever is larger.
+    for name, a, b, oracle in zip(NAMES, *runs):
+        assert torch.isfinite(a).all(), name
+        bound = max(TOL[dtype], 2 * rel_err(b, oracle))
+        assert rel_err(a, oracle) < bound, \
+            f"{name}: rel err {rel_err(a, oracle):.2e} to the fp32 math >= {bound:.2e}"
     with torch.no_grad():
         plain_y = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6)[0]
     assert torch.equal(outs[1], plain_y), "the fused aggregate changed y's bits"

@@ -173,13 +173,15 @@ def norm_backward_unfused(dyn: torch.Tensor, y: torch.Tensor, weight: torch.Tens
 
 
 @triton.jit
-def _dhpre_norm_partial(x_ptr, dyn_ptr, w_ptr, hpre_ptr, b_ptr, e_ptr, a_ptr, T, C,
-                        C_PER_SPLIT, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        X_BCAST: tl.constexpr):
+def _dhpre_norm_partial(x_ptr, dyn_ptr, w_ptr, hpre_ptr, rstd_ptr, b_ptr, e_ptr, a_ptr,
+                        dw_ptr, T, C, C_PER_SPLIT, N: tl.constexpr, BT: tl.constexpr,
+                        BC: tl.constexpr, X_BCAST: tl.constexpr):
     """Over the channels of C-split ``s``, with ``u = w * dyn`` and ``y`` formed from the
-    streams as pre stored it (stream by stream in order, rounded to x's dtype):
-    ``b[s, t, i] = sum u x_i``, ``e[s, t, i] = sum y x_i``, ``a[s, t] = sum u y``. Pre's
-    mappings backward turns them into ``dH_pre[i] = rstd * b_i - rstd^3 a / C * e_i``."""
+    streams (rounded to x's dtype, as pre stored it): ``b[s, t, i] = sum u x_i``,
+    ``e[s, t, i] = sum y x_i``, ``a[s, t] = sum u y``. Pre's mappings backward turns them into
+    ``dH_pre[i] = rstd * b_i - rstd^3 a / C * e_i``. And the norm weight's gradient over this
+    program's tokens: ``dw[token block, c] = sum_t dyn * y * rstd`` (summed over the blocks
+    in a fixed order by the caller)."""
     XT, XS = stream_strides(N, C, X_BCAST)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
@@ -187,6 +189,7 @@ def _dhpre_norm_partial(x_ptr, dyn_ptr, w_ptr, hpre_ptr, b_ptr, e_ptr, a_ptr, T,
     split = tl.program_id(1)
     i = tl.arange(0, N)
     h = tl.load(hpre_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
+    rstd = tl.load(rstd_ptr + t64, mask=tmask, other=0.0)
     acc_b = tl.zeros([BT, N], dtype=tl.float32)
     acc_e = tl.zeros([BT, N], dtype=tl.float32)
     acc_a = tl.zeros([BT], dtype=tl.float32)
@@ -197,18 +200,17 @@ def _dhpre_norm_partial(x_ptr, dyn_ptr, w_ptr, hpre_ptr, b_ptr, e_ptr, a_ptr, T,
         m2 = tmask[:, None] & cmask[None, :]
         x3 = tl.load(x_ptr + t64[:, None, None] * XT + i[None, :, None] * XS + c[None, None, :],
                      mask=m2[:, None, :], other=0.0).to(tl.float32)
-        y = tl.zeros([BT, BC], dtype=tl.float32)
-        for s in tl.static_range(N):  # as _aggregate_tile: stream by stream (sums of zeros)
-            x_s = tl.sum(tl.where(i[None, :, None] == s, x3, 0.0), axis=1)
-            h_s = tl.sum(tl.where(i[None, :] == s, h, 0.0), axis=1)
-            y += h_s[:, None] * x_s
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        # y as pre stored it, up to the order of the n additions (a last-bit difference of
+        # the rounded y in rare elements)
+        y = tl.sum(h[:, :, None] * x3, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
         dyn = tl.load(dyn_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
         u = dyn * w[None, :]
         acc_b += tl.sum(x3 * u[:, None, :], axis=2)
         acc_e += tl.sum(x3 * y[:, None, :], axis=2)
         acc_a += tl.sum(u * y, axis=1)
+        tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * C + c,
+                 tl.sum(dyn * y * rstd[:, None], axis=0), mask=cmask)
     row = split.to(tl.int64) * T + t64
     tl.store(b_ptr + row[:, None] * N + i[None, :], acc_b, mask=tmask[:, None])
     tl.store(e_ptr + row[:, None] * N + i[None, :], acc_e, mask=tmask[:, None])

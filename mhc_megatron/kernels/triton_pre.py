@@ -363,9 +363,9 @@ class _PreFn(torch.autograd.Function):
             norm_e = torch.empty(p.dh_splits, T, n, device=dev, dtype=f32)
             norm_a = torch.empty(p.dh_splits, T, device=dev, dtype=f32)
             norm_coef = torch.empty(T, device=dev, dtype=f32)
-            dw_part = torch.empty(p.dx_splits, C, device=dev, dtype=f32)
-            DHPRE_NORM(p.dh_grid, p.dh_meta, x, dy, norm_w, h_pre, part, norm_e, norm_a, T, C,
-                       p.dh_per)
+            dw_part = torch.empty(p.dh_grid[0], C, device=dev, dtype=f32)
+            DHPRE_NORM(p.dh_grid, p.dh_meta, x, dy, norm_w, h_pre, norm_rstd, part, norm_e,
+                       norm_a, dw_part, T, C, p.dh_per)
         else:
             _DHPRE(p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
             y_saved = norm_e = norm_a = norm_rstd = norm_coef = dw_part = rstd  # unread
@@ -379,8 +379,7 @@ class _PreFn(torch.autograd.Function):
         fold = g_combine is not None
         _launch_dx_dphi(p, x, dy, h_pre, dp, coef, phi,
                         g_combine if fold else x, h_res_combine if fold else h_pre,  # unread
-                        dx, dphi_part, T, C, p.dx_per, norm_w, y_saved, norm_rstd, norm_coef,
-                        dw_part)
+                        dx, dphi_part, T, C, p.dx_per, norm_w, y_saved, norm_rstd, norm_coef)
         _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
                      p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
         if norm:

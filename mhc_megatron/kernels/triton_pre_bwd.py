@@ -131,7 +131,7 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 @triton.jit
 def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
                  dphi_ptr, T, C, TOKENS_PER_SPLIT, w_ptr, y_ptr, norm_rstd_ptr, norm_coef_ptr,
-                 dw_ptr, HAS_G: tl.constexpr, NORM: tl.constexpr, N: tl.constexpr,
+                 HAS_G: tl.constexpr, NORM: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  PREC: tl.constexpr, X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
@@ -149,8 +149,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
 
     NORM: ``dy_ptr`` is the gradient of the normalised input ``dyn``, and ``dy = rstd_y * w
     * dyn - k * y`` is formed here from it, pre's stored ``y``, ``rstd_y`` and ``k``
-    (:func:`_mappings_bwd`); the stream-0 programs also write the norm weight's gradient
-    partials ``dw[split, c] = sum_t dyn * y * rstd_y``."""
+    (:func:`_mappings_bwd`; the norm weight's gradient comes from the dH_pre pass)."""
     s = tl.program_id(0) % N
     c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
     split = tl.program_id(1)
@@ -164,7 +163,6 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
     dphi = tl.zeros([MP, BC], dtype=tl.float32)
     if NORM:
         w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-        dw = tl.zeros([BC], dtype=tl.float32)
     t_start = split * TOKENS_PER_SPLIT
     for t0 in tl.range(t_start, t_start + TOKENS_PER_SPLIT, BT, num_stages=LOOP_STAGES):
         t = t0 + tl.arange(0, BT)
@@ -180,7 +178,6 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
                          other=0.0).to(tl.float32)
             r_y = tl.load(norm_rstd_ptr + t64, mask=tmask, other=0.0)
             k_y = tl.load(norm_coef_ptr + t64, mask=tmask, other=0.0)
-            dw += tl.sum(dy * yv * r_y[:, None], axis=0)
             dy = r_y[:, None] * (w[None, :] * dy) - k_y[:, None] * yv
         offs = t64[:, None] * K + k[None, :]  # dx: [T, N, C]
         xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
@@ -196,8 +193,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
              mask=cmask[None, :])
-    if NORM:
-        tl.store(dw_ptr + split.to(tl.int64) * C + c, dw, mask=cmask & (s == 0))
+
 
 
 @triton.jit
