@@ -1,14 +1,11 @@
 """What a whole training step pays for mHC, against the bytes mHC must move.
 
     python benchmarks/bench_e2e.py [--configs dense moe] [--specs te local] [--steps 10]
-        [--runs baseline mhc recompute fused fused_recompute] [--graphs] [--profile]
-        [--out bench_e2e.md]
+        [--runs baseline mhc recompute] [--graphs] [--profile] [--out bench_e2e.md]
 
 One process, side by side, per config and spec family: ``baseline`` (Megatron's own GPT block
 spec), ``mHC`` (n=4, Triton kernels) and ``mHC + recompute`` (``mhc_recompute``, eq. 20
-blocks); ``--runs`` picks a subset (e.g. ``--runs mhc recompute``), and adds ``fused`` /
-``fused_recompute``: the same two with ``mhc_fuse_input_norm`` (the sublayer's input RMSNorm
-formed by mHC's pre kernels; not in the default set). A step is forward +
+blocks); ``--runs`` picks a subset (e.g. ``--runs mhc recompute``). A step is forward +
 backward of one micro-batch (bf16 weights and activations, no optimiser: it is the same for
 all three); reported: median step time, tokens/s, peak memory allocated during the step,
 and mHC's overhead next to its byte floor.
@@ -118,12 +115,8 @@ CONFIGS = {
 }
 DEFAULT_CONFIGS = ["dense", "moe"]
 SMOKE = dict(layers=2, hidden=64, ffn=128, heads=4, seq=64, mbs=2)
-# (name, mhc, recompute): mhc is False, True or "fused" (mHC with mhc_fuse_input_norm)
-RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True),
-        ("mHC, fused norm", "fused", False), ("mHC + recompute, fused norm", "fused", True)]
-RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute",
-            "fused": "mHC, fused norm", "fused_recompute": "mHC + recompute, fused norm"}
-DEFAULT_RUNS = ["baseline", "mhc", "recompute"]
+RUNS = [("baseline", False, False), ("mHC", True, False), ("mHC + recompute", True, True)]
+RUN_KEYS = {"baseline": "baseline", "mhc": "mHC", "recompute": "mHC + recompute"}
 # --graphs: the same models with Megatron's local per-layer CUDA graphs (no mhc_recompute: the
 # config refuses it with per-layer graphs)
 GRAPH_RUNS = [("baseline + graphs", False, False), ("mHC + graphs", True, False)]
@@ -137,9 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS), default=DEFAULT_RUNS,
-                   help="the runs to measure (default: baseline, mhc, recompute); fused and "
-                        "fused_recompute: mhc and recompute with mhc_fuse_input_norm")
+    p.add_argument("--runs", nargs="+", choices=sorted(RUN_KEYS), default=list(RUN_KEYS),
+                   help="the runs to measure (default all): baseline, mhc, recompute")
     p.add_argument("--tile", action="append", default=[], metavar="NAME=V,V,...",
                    help="set a field of the kernels' TILES for every run (e.g. dx=64,64,4,3: "
                         "a tile a probe found, measured in a step before it becomes the "
@@ -221,8 +213,8 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bo
         ffn_hidden_size=shape["ffn"] if not moe else 4 * shape["hidden"],
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.bfloat16, bf16=True, enable_hyper_connections=bool(mhc),
-        num_residual_streams=N, mhc_recompute=recompute, mhc_fuse_input_norm=mhc == "fused",
+        params_dtype=torch.bfloat16, bf16=True, enable_hyper_connections=mhc,
+        num_residual_streams=N, mhc_recompute=recompute,
         cuda_graph_impl="local" if graphs else "none", **moe)
     te = spec == "te"
     make_spec = get_gpt_decoder_block_with_mhc_spec if mhc else get_gpt_decoder_block_spec
@@ -485,13 +477,9 @@ def result_row(cfg_name: str, spec: str, run: tuple, r: dict, ms: dict, shape: d
     whose reference run was not selected reads "-")."""
     name, mhc, recompute = run
     graphs = name.endswith("+ graphs")  # compared with the graphed baseline
-    base_ms = ms.get("baseline + graphs" if graphs else "baseline")
-    # "vs mHC": a recompute row against mHC without it (same norm), the fused norm's row
-    # against mHC unfused
-    mhc_ms = (ms.get("mHC, fused norm" if mhc == "fused" else "mHC") if recompute
-              else ms.get("mHC") if mhc == "fused" else None)
+    base_ms, mhc_ms = ms.get("baseline + graphs" if graphs else "baseline"), ms.get("mHC")
     rel = f"{r['ms'] / base_ms:.3f}x" if base_ms else "-"
-    rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if mhc_ms else "-"
+    rel_mhc = f"{r['ms'] / mhc_ms:.3f}x" if recompute and mhc_ms else "-"
     floors = ["-"] * 4  # byte floor and overhead over it; the same for the two-phase floor
     if mhc:
         for k, nbytes in enumerate((floor_bytes(shape, recompute),

@@ -95,18 +95,6 @@ class MHCTransformerConfig(TransformerConfig):
     from ``get_megatron_optimizer``, or run Megatron's ``pretrain`` inside
     ``fp32_params_in_megatron_training()`` (``examples/pretrain_gpt_mhc.py`` does)."""
 
-    mhc_fuse_input_norm: bool = False
-    """Run each sublayer's input RMSNorm inside the mHC pre kernel (one pass less over its input
-    ``y = sum_i H_pre[i] x_i``): ``pre`` returns ``RMSNorm(y) * weight`` (``layernorm_epsilon``,
-    ``layernorm_zero_centered_gamma`` as Megatron's norm), and the sublayer applies no input
-    norm of its own. The weight lives in the hyper-connection module as ``norm_weight``; its
-    distributed-checkpoint key stays Megatron's (``input_layernorm.weight``,
-    ``self_attention.linear_qkv.layer_norm_weight``, ... as the spec maps it), so checkpoints of
-    fused and unfused models load into each other. Needs ``normalization="RMSNorm"`` and specs
-    built with it: ``get_gpt_decoder_block_with_mhc_spec(config, ...)`` follows this field,
-    ``to_mhc_layer_spec(spec, fuse_input_norm=True)`` converts a layer spec; a layer whose spec
-    was not built with it (its sublayers still normalise) is refused when it is built."""
-
     def __post_init__(self):
         _derive_pipeline_fields(self)
         # Before Megatron's own checks: where Megatron asserts on the same feature (e.g.
@@ -203,9 +191,6 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if k is not None and (not _is_int(k) or k < 1):
         _fail("mhc_recompute_layer_num", f"must be None or an int >= 1, got {k!r}",
               "leave it None for the paper's eq. 20 block size, or give a positive layer count")
-    if not isinstance(config.mhc_fuse_input_norm, bool):
-        _fail("mhc_fuse_input_norm", f"must be a bool, got {config.mhc_fuse_input_norm!r}",
-              "pass True or False")
 
     if not config.enable_hyper_connections:
         return
@@ -249,7 +234,6 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "set apply_residual_connection_post_layernorm=False")
     _validate_cuda_graphs(config)
     _validate_offloading(config)
-    _validate_fused_input_norm(config)
     if config.overlap_moe_expert_parallel_comm:
         _fail("overlap_moe_expert_parallel_comm",
               "the MoE EP-overlap schedule splits the layer outside the mHC hooks",
@@ -354,34 +338,6 @@ def _validate_offloading(config) -> None:
               "layers (the offload groups would be opened and committed inside the captured "
               "layers)",
               "set cuda_graph_impl='none', or fine_grained_activation_offloading=False")
-
-
-def _validate_fused_input_norm(config) -> None:
-    """``mhc_fuse_input_norm``: the pre kernel applies an RMSNorm, so Megatron's norm must be
-    one. Refused because they are not verified with the fused norm yet: CUDA graphs (any
-    implementation), and fine-grained activation offloading of 'attn_norm' / 'mlp_norm' (they
-    offload the streams and the input norm's activations, and the fused layer runs that norm
-    inside the mHC pre, not as Megatron's norm module)."""
-    if not config.mhc_fuse_input_norm:
-        return
-    if config.normalization != "RMSNorm":
-        _fail("mhc_fuse_input_norm / normalization",
-              f"the mHC pre kernel fuses an RMSNorm, but normalization={config.normalization!r}",
-              "set normalization='RMSNorm' (--normalization RMSNorm), or "
-              "mhc_fuse_input_norm=False")
-    impl = _graph_impl(config)
-    if impl != "none":
-        _fail("mhc_fuse_input_norm / cuda_graph_impl",
-              f"the fused input norm with CUDA graphs ({impl!r}) is not verified yet",
-              "set mhc_fuse_input_norm=False (or cuda_graph_impl='none')")
-    streams = [m for m in STREAM_OFFLOAD_MODULES if m in (config.offload_modules or [])]
-    if config.fine_grained_activation_offloading and streams:
-        _fail("mhc_fuse_input_norm / offload_modules",
-              f"the fused input norm with {streams} in offload_modules (fine-grained "
-              "activation offloading of the sublayer's input norm and streams) is not "
-              "verified yet",
-              "set mhc_fuse_input_norm=False (or drop 'attn_norm' / 'mlp_norm' from "
-              "offload_modules)")
 
 
 def hyper_connections_enabled(config: TransformerConfig) -> bool:

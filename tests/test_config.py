@@ -25,7 +25,6 @@ def test_defaults_and_subclassing():
             cfg.mhc_params_dtype) == (4, 20, 0.1, "auto", False, None, None)
     # The initialisation the quality study chose (docs/results/study/REPORT.md).
     assert (cfg.mhc_init_static_mapping, cfg.mhc_init_res_diagonal) == ("zero", 0.95)
-    assert cfg.mhc_fuse_input_norm is False  # the sublayers keep Megatron's own input norms
     replaced = dataclasses.replace(cfg, num_residual_streams=2)
     assert type(replaced) is MHCTransformerConfig and replaced.num_residual_streams == 2
     with pytest.raises(ValueError, match="num_residual_streams"):
@@ -105,31 +104,6 @@ REFUSED = {
     "stream_offloading_with_mhc_recompute": (
         dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"],
              mhc_recompute=True), "mhc_recompute / offload_modules"),
-    # mhc_fuse_input_norm: the pre kernel fuses an RMSNorm; CUDA graphs and the offload of
-    # the norms' activations are not verified with it yet
-    "fuse_norm_not_bool": (dict(mhc_fuse_input_norm=1), "mhc_fuse_input_norm"),
-    "fuse_norm_layernorm": (dict(mhc_fuse_input_norm=True), "mhc_fuse_input_norm / normalization"),
-    "fuse_norm_cuda_graph_local": (dict(mhc_fuse_input_norm=True, normalization="RMSNorm",
-                                        cuda_graph_impl="local"),
-                                   "mhc_fuse_input_norm / cuda_graph_impl"),
-    "fuse_norm_cuda_graph_te": (dict(mhc_fuse_input_norm=True, normalization="RMSNorm",
-                                     cuda_graph_impl="transformer_engine"),
-                                "mhc_fuse_input_norm / cuda_graph_impl"),
-    "fuse_norm_cuda_graph_full_iteration": (dict(mhc_fuse_input_norm=True,
-                                                 normalization="RMSNorm",
-                                                 cuda_graph_impl="full_iteration"),
-                                            "mhc_fuse_input_norm / cuda_graph_impl"),
-    "fuse_norm_enable_cuda_graph": (dict(mhc_fuse_input_norm=True, normalization="RMSNorm",
-                                         enable_cuda_graph=True),
-                                    "mhc_fuse_input_norm / cuda_graph_impl"),
-    "fuse_norm_offload_attn_norm": (dict(mhc_fuse_input_norm=True, normalization="RMSNorm",
-                                         fine_grained_activation_offloading=True,
-                                         offload_modules=["attn_norm"]),
-                                    "mhc_fuse_input_norm / offload_modules"),
-    "fuse_norm_offload_mlp_norm": (dict(mhc_fuse_input_norm=True, normalization="RMSNorm",
-                                        fine_grained_activation_offloading=True,
-                                        offload_modules=["core_attn", "mlp_norm"]),
-                                   "mhc_fuse_input_norm / offload_modules"),
     "moe_ep_overlap": (dict(overlap_moe_expert_parallel_comm=True, num_moe_experts=4,
                             expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
                             bf16=True, pipeline_dtype=torch.bfloat16),
@@ -170,31 +144,6 @@ def test_mhc_recompute_is_accepted_with_sublayer_recompute():
     cfg = MHCTransformerConfig(**BASE, mhc_recompute=True, recompute_granularity="selective",
                                recompute_modules=["core_attn", "layernorm", "moe"])
     assert cfg.mhc_recompute and cfg.mhc_recompute_block_size >= 1
-
-
-@pytest.mark.parametrize("overrides", [
-    dict(),
-    dict(fine_grained_activation_offloading=True, offload_modules=["qkv_linear", "core_attn"]),
-    dict(layernorm_zero_centered_gamma=True),
-], ids=["plain", "offload_other_modules", "zero_centered_gamma"])
-def test_fused_input_norm_is_accepted_with_rmsnorm(overrides):
-    """The refusals above are the only ones: RMSNorm, with or without zero-centred gamma, and
-    offloading modules other than the input norms."""
-    cfg = MHCTransformerConfig(**BASE, mhc_fuse_input_norm=True, normalization="RMSNorm",
-                               **overrides)
-    assert cfg.mhc_fuse_input_norm
-    mla = MHCMLATransformerConfig(**BASE, mhc_fuse_input_norm=True, q_lora_rank=16,
-                                  kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8,
-                                  v_head_dim=8)  # MLA's default normalization is RMSNorm
-    assert mla.mhc_fuse_input_norm
-
-
-def test_fused_input_norm_is_not_checked_when_mhc_is_off():
-    """As every mHC combination: with mHC off the block spec does not fuse (the layers are
-    Megatron's), so LayerNorm and CUDA graphs are fine."""
-    cfg = MHCTransformerConfig(**{**BASE, "enable_hyper_connections": False},
-                               mhc_fuse_input_norm=True, cuda_graph_impl="local")
-    assert cfg.mhc_fuse_input_norm and cfg.normalization == "LayerNorm"
 
 
 def test_fp32_mapping_params_in_a_bf16_model_are_accepted_quietly():

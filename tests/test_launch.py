@@ -152,9 +152,8 @@ def test_launcher_off_delegates(monkeypatch):
     assert fn.log == [("triton", (2,), (fn.log[0][2][0], 3), {"N": 4, "BT": 8})]
 
 
-def _sublayer(seed, x_offset=0, n=4, c=96, t=37, norm=False):
-    """pre + combine forward and backward on CUDA: outputs and every gradient (``norm``: with
-    the input norm fused, ``mhc_fuse_input_norm``)."""
+def _sublayer(seed, x_offset=0, n=4, c=96, t=37):
+    """pre + combine forward and backward on CUDA: outputs and every gradient."""
     from mhc_megatron.kernels import triton_mhc
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -166,34 +165,29 @@ def _sublayer(seed, x_offset=0, n=4, c=96, t=37, norm=False):
     phi = (0.02 * torch.randn(m, n * c, device="cuda", generator=g)).requires_grad_()
     alpha = torch.full((3,), 0.5, device="cuda", requires_grad=True)
     bias = (0.1 * torch.randn(m, device="cuda", generator=g)).requires_grad_()
-    w = (1.0 + 0.1 * torch.randn(c, device="cuda", generator=g)).requires_grad_()
-    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6,
-                                             norm=(w, 1e-5) if norm else None)
-    if norm:
-        y = triton_mhc.input_norm(y, w, 1e-5)
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6)
     out = triton_mhc.combine(x, y * 1.5, None, h_res, h_post)
     out.float().square().sum().backward()
     return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, x.grad, phi.grad,
-                                         alpha.grad, bias.grad, w.grad if norm else w)]
+                                         alpha.grad, bias.grad)]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled Triton kernels)")
 def test_direct_launch_equals_tritons_launcher(monkeypatch):
-    from mhc_megatron.kernels import triton_combine, triton_input_norm, triton_pre
+    from mhc_megatron.kernels import triton_combine, triton_pre
 
     if launch.fast_launch_supported() is not None:
         pytest.skip(f"direct launch is off here: {launch.fast_launch_supported()}")
-    for norm in (False, True):
-        monkeypatch.setattr(Launcher, "_disabled", "Triton's launcher for the reference run")
-        want = _sublayer(0, norm=norm)
-        monkeypatch.setattr(Launcher, "_disabled", None)
-        first = _sublayer(0, norm=norm)  # may compile / fill the cache
-        again = _sublayer(0, norm=norm)  # through the compiled kernels' launchers
-        for w, a, b in zip(want, first, again):
-            assert torch.equal(w, a) and torch.equal(w, b)
-    launchers = list({id(v): v for mod in (triton_pre, triton_combine, triton_input_norm)
-                      for v in vars(mod).values() if isinstance(v, Launcher)}.values())
-    assert len(launchers) == 11 and all(r.cached_kernels() > 0 for r in launchers)
+    monkeypatch.setattr(Launcher, "_disabled", "Triton's launcher for the reference run")
+    want = _sublayer(0)
+    monkeypatch.setattr(Launcher, "_disabled", None)
+    first = _sublayer(0)  # may compile / fill the cache
+    again = _sublayer(0)  # through the compiled kernels' launchers
+    for w, a, b in zip(want, first, again):
+        assert torch.equal(w, a) and torch.equal(w, b)
+    launchers = [v for mod in (triton_pre, triton_combine) for v in vars(mod).values()
+                 if isinstance(v, Launcher)]
+    assert len(launchers) == 9 and all(r.cached_kernels() > 0 for r in launchers)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled Triton kernels)")
@@ -280,14 +274,3 @@ def test_kernel_launches_per_sublayer(monkeypatch):
     assert len(calls) == 4
     out.square().sum().backward()
     assert len(calls) == 9, calls
-    # with the input norm fused: the same launches (the aggregate and dH_pre kernels form
-    # the norm and its backward)
-    calls.clear()
-    w = torch.ones(c, device=dev, requires_grad=True)
-    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n, norm=(w, 1e-5))
-    y = triton_mhc.input_norm(y, w, 1e-5)
-    assert len(calls) == 3
-    out = triton_mhc.combine(x, y * 2.0, None, h_res, h_post, n=n)
-    out.square().sum().backward()
-    assert len(calls) == 9 and "_aggregate_norm_fwd" in calls and "_dhpre_norm_partial" in calls, \
-        calls

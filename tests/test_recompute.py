@@ -83,29 +83,6 @@ def test_triton_backend_recompute_bitwise(megatron_single_rank, monkeypatch):
     _assert_same(*runs)
 
 
-@pytest.mark.parametrize("backend,kind", [("triton", "dense"), ("reference", "moe")])
-def test_fused_input_norm_recompute_bitwise(megatron_single_rank, backend, kind):
-    """``mhc_fuse_input_norm``: pre's ``y`` is what the fused norm saves; under the recompute
-    that save is a placeholder, replayed by the aggregate (with the combine before it where
-    both are replayed), so the gradients equal those without recompute bit for bit, and the
-    fused path's own gradients equal the unfused model's (the norm weight under its key)."""
-    extra = dict(num_layers=3, normalization="RMSNorm", mhc_kernel_backend=backend,
-                 **(moe_overrides() if kind == "moe" else {}))
-    runs = [_grads(tiny_config(mhc_fuse_input_norm=True, mhc_recompute=recompute,
-                               mhc_recompute_layer_num=2, **extra)) for recompute in (False, True)]
-    _assert_same(*runs)
-    unfused_loss, unfused, _ = _grads(tiny_config(**extra))
-    loss, fused, _ = runs[0]
-    torch.testing.assert_close(loss, unfused_loss, rtol=1e-6, atol=0)
-    renamed = {name.replace("self_attention_hyper_connection.norm_weight",
-                            "input_layernorm.weight")
-               .replace("mlp_hyper_connection.norm_weight", "pre_mlp_layernorm.weight"): g
-               for name, g in fused.items()}
-    assert renamed.keys() == unfused.keys()
-    for name, g in unfused.items():
-        torch.testing.assert_close(renamed[name], g, rtol=1e-4, atol=1e-6, msg=name)
-
-
 def test_dropout_and_selective_core_attn_recompute(megatron_single_rank):
     """Sublayer dropout (its mask must not be redrawn by the recompute) and Megatron's
     selective recompute of core attention inside the blocks."""

@@ -44,7 +44,7 @@ def test_defaults_are_the_config_defaults(monkeypatch):
     for name in ("enable_hyper_connections", "num_residual_streams", "mhc_sinkhorn_iterations",
                  "mhc_init_gating_factor", "mhc_rms_eps", "mhc_kernel_backend", "mhc_recompute",
                  "mhc_recompute_layer_num", "mhc_params_dtype", "mhc_init_static_mapping",
-                 "mhc_init_res_diagonal", "mhc_fuse_input_norm"):
+                 "mhc_init_res_diagonal"):
         assert getattr(config, name) == getattr(default, name), name
 
 
@@ -65,10 +65,6 @@ def test_flags_reach_the_config(monkeypatch):
         "--enable-hyper-connections", "--mhc-init-static-mapping", "zero",
         "--mhc-init-res-diagonal", "0.5", monkeypatch=monkeypatch))
     assert (c.mhc_init_static_mapping, c.mhc_init_res_diagonal) == ("zero", 0.5)
-    c = mhc_transformer_config_from_args(_args(
-        "--enable-hyper-connections", "--mhc-fuse-input-norm", "--normalization", "RMSNorm",
-        monkeypatch=monkeypatch))
-    assert c.mhc_fuse_input_norm and c.normalization == "RMSNorm"
 
 
 def test_megatron_lm_in_tree_names_are_aliases(monkeypatch):
@@ -97,7 +93,6 @@ def test_mla_flags_give_the_mhc_mla_config(monkeypatch):
     (["--mhc-sinkhorn-iterations", "0"], "mhc_sinkhorn_iterations"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1", "--mhc-recompute"], "mhc_recompute / recompute_granularity"),
-    (["--mhc-fuse-input-norm"], "mhc_fuse_input_norm / normalization"),  # LayerNorm by default
 ])
 def test_bad_flags_get_the_config_refusal(monkeypatch, flags, field):
     args = _args("--enable-hyper-connections", *flags, monkeypatch=monkeypatch)
@@ -122,23 +117,6 @@ def test_gpt_model_config_uses_the_mhc_block_spec(monkeypatch, megatron_single_r
     assert all(s.module is HyperConnectionTransformerLayer for s in block.layer_specs)
     norm = block.layer_norm(config=model_cfg.transformer, hidden_size=64, eps=1e-5)
     assert isinstance(norm, StreamContractingNorm) and norm.n == 4
-
-
-def test_fused_input_norm_flag_reaches_the_block_spec(monkeypatch, megatron_single_rank):
-    """--mhc-fuse-input-norm: mhc_block_spec (through get_gpt_decoder_block_with_mhc_spec)
-    builds every layer with the input norms in the hyper-connection modules."""
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    from mhc_megatron.specs.gpt import fuses_input_norm
-
-    args = _args("--enable-hyper-connections", "--mhc-fuse-input-norm", "--normalization",
-                 "RMSNorm", monkeypatch=monkeypatch)
-    block = mhc_block_spec(mhc_gpt_model_config_from_args(args))
-    assert all(fuses_input_norm(s) for s in block.layer_specs)
-    assert all(s.submodules.input_layernorm is IdentityOp for s in block.layer_specs)
-    unfused = mhc_block_spec(mhc_gpt_model_config_from_args(
-        _args("--enable-hyper-connections", monkeypatch=monkeypatch)))
-    assert not any(fuses_input_norm(s) for s in unfused.layer_specs)
 
 
 def test_config_container_style(megatron_single_rank):

@@ -3,11 +3,8 @@
 A backend is an :class:`MHCOps` with the two operations a hyper-connection module needs,
 on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 
-* ``pre(x, phi, alpha, bias, iterations, eps, n=None, norm=None) -> (y, h_pre, h_post,
-  h_res)``: the dynamic mappings and the aggregate (a fused backend reads ``x`` for both in
-  one kernel); ``norm = (weight, eps)``: the sublayer's input RMSNorm follows (a fused
-  backend forms it in the same kernels);
-* ``input_norm(y, weight, eps) -> yn``: that RMSNorm of pre's ``y`` (``[..., C]``);
+* ``pre(x, phi, alpha, bias, iterations, eps, n=None) -> (y, h_pre, h_post, h_res)``: the
+  dynamic mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
 * ``combine(x, f, f_bias, h_res, h_post, n=None) -> x'``: expand-combine;
 * ``aggregate(x, h_pre, n=None) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit
   (what ``mhc_recompute`` replays in backward instead of the whole of pre).
@@ -49,14 +46,13 @@ class MHCOps:
     pre: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     combine: Callable[..., Tensor]
     aggregate: Callable[..., Tensor]
-    input_norm: Callable[..., Tensor]
 
 
 # The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
 # view of the embeddings, stream stride 0) is copied, so that the reference runs the same ops
 # on the same values as on materialised streams (the fused ops read the view as it is).
-def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None, norm=None):
-    x = x.contiguous()  # norm: applied by input_norm on y
+def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None):
+    x = x.contiguous()
     y, h_pre, h_post, h_res = reference.pre(reference.as_tokens(x, n), phi, alpha, bias,
                                             iterations, eps)
     return _in_layout_of(y, x, n), h_pre, h_post, h_res
@@ -80,7 +76,7 @@ def _in_layout_of(y, x, n):
 
 
 REFERENCE_OPS = MHCOps(name="reference", pre=_reference_pre, combine=_reference_combine,
-                       aggregate=_reference_aggregate, input_norm=reference.input_norm)
+                       aggregate=_reference_aggregate)
 
 _announced: set[tuple[str, str]] = set()
 _triton_ops: MHCOps | None = None
@@ -93,7 +89,7 @@ def _load_triton_ops() -> MHCOps:
         from mhc_megatron.recompute.manager import register_replay_fusion
 
         _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
-                             aggregate=triton_mhc.aggregate, input_norm=triton_mhc.input_norm)
+                             aggregate=triton_mhc.aggregate)
         register_replay_fusion(triton_mhc.combine, triton_mhc.aggregate,
                                _replay_combine_aggregate)
     return _triton_ops

@@ -21,8 +21,6 @@ Math per token, with ``v = vec(x)`` in R^{nC}:
     H_post = 2 * sigmoid(alpha_post * Ht[n:2n] + bias[n:2n])
     H_res  = SinkhornKnopp(alpha_res * Ht[2n:] + bias[2n:])       (doubly stochastic)
     y      = sum_i H_pre[i] * x[i]                                  (aggregate)
-    yn     = y / sqrt(mean(y^2) + eps_norm) * w       (the sublayer's input RMSNorm, fused
-                                                        with mhc_fuse_input_norm)
     x'[i]  = sum_j H_res[i, j] * x[j] + H_post[i] * (f + f_bias)    (expand-combine)
 """
 
@@ -113,16 +111,6 @@ def aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
     """``y = sum_i h_pre[:, i] * x[:, i]``: ``[T, n, C]`` -> ``[T, C]`` in ``x.dtype``."""
     y = torch.einsum("tn,tnc->tc", _acc(h_pre), _acc(x))
     return y.to(x.dtype)
-
-
-def input_norm(y: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """The sublayer's input RMSNorm ``y / sqrt(mean(y^2) + eps) * weight`` over the last axis,
-    of ``y`` as stored (its dtype), computed in fp32 and returned in ``y.dtype`` (what a
-    Megatron / Transformer Engine RMSNorm of ``y`` computes; ``mhc_fuse_input_norm`` runs it
-    inside pre's kernels)."""
-    yf = _acc(y)
-    rstd = torch.rsqrt(yf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (yf * rstd * _acc(weight)).to(y.dtype)
 
 
 def expand_combine(

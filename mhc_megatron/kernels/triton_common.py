@@ -186,7 +186,6 @@ class KernelTiles:
     target_programs: int = 512
     maps: tuple = (16, 1)                   # per-token mapping math (Sinkhorn): (tokens, warps)
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
-    agg_norm: tuple = (4, 1024, 4)          # aggregate + input norm: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4, 2)     # (tokens, channels per step, warps, loop stages)
     dx: tuple = (64, 64, 4, 3)              # dx + dphi: (tokens/step, channels, warps, loop stages)

@@ -31,9 +31,7 @@ Layout: kernels, launch plans and autograd functions per op in
 shared tiles, precisions and Sinkhorn helpers in :mod:`~mhc_megatron.kernels.triton_common`;
 the launch path in :mod:`~mhc_megatron.kernels.launch` (the compiled kernels are called
 directly once a launch shape has been seen: a fraction of Triton's per-launch host work).
-This module is the entry point: ``pre``, ``combine``, ``aggregate``, ``combine_aggregate``,
-``input_norm`` (the sublayer's input RMSNorm formed by pre's kernels, ``mhc_fuse_input_norm``:
-:mod:`~mhc_megatron.kernels.triton_input_norm`).
+This module is the entry point: ``pre``, ``combine``, ``aggregate``, ``combine_aggregate``.
 
 x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
 combine's dx (written by its backward) is added inside pre's dx kernel, so autograd gets one
@@ -65,11 +63,6 @@ from mhc_megatron.kernels.triton_common import (
     _splits,
     _sweep_bc,
 )
-from mhc_megatron.kernels.triton_input_norm import (
-    _aggregate_norm_fwd,
-    _dhpre_norm_partial,
-    input_norm,
-)
 from mhc_megatron.kernels.triton_pre import (
     _aggregate_fwd,
     _dhpre_partial,
@@ -84,8 +77,7 @@ from mhc_megatron.kernels.triton_pre import (
 )
 
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_STREAMS", "TILES", "KernelTiles", "aggregate",
-           "combine", "combine_aggregate", "input_norm", "pre", "_aggregate_norm_fwd",
-           "_dhpre_norm_partial", "_PreFn", "_CombineFn", "_aggregate_fwd",
+           "combine", "combine_aggregate", "pre", "_PreFn", "_CombineFn", "_aggregate_fwd",
            "_combine_bwd", "_combine_fwd", "_dhpre_partial", "_mappings_bwd", "_mappings_fwd",
            "_param_grads", "_pre_dx_dphi", "_proj_partial", "_dot_precision", "_padded_m",
            "_splits", "_sweep_bc"]

@@ -67,20 +67,10 @@ class HyperConnectionModule(MegatronModule):
     combine's streams (:func:`~mhc_megatron.recompute.run_recorded`) and pre's ``y``, by the
     aggregate alone from the kept per-token mappings (:func:`~mhc_megatron.recompute.record_as`).
 
-    With ``fuse_input_norm`` (``config.mhc_fuse_input_norm``) ``pre`` returns the sublayer's
-    normalised input ``RMSNorm(y) * norm_weight`` instead of ``y`` (eps
-    ``config.layernorm_epsilon``; ``1 + norm_weight`` with
-    ``layernorm_zero_centered_gamma``), formed by the same kernels; the sublayer then has no
-    input norm of its own (the specs rewrite it, :mod:`mhc_megatron.specs.gpt`).
-
     Parameters (``m = 2n + n^2``; layout documented in the reference module):
       * ``phi``   ``[m, n*C]``  projection (an RMSNorm weight, if any, is folded in);
       * ``alpha`` ``[3]``       gating scalars (pre, post, res), init ``mhc_init_gating_factor``;
-      * ``bias``  ``[m]``       static mapping, see :func:`initial_mapping_bias`;
-      * ``norm_weight`` ``[C]`` (only with ``fuse_input_norm``) the sublayer's input-norm
-        weight, init 1 (0 with ``layernorm_zero_centered_gamma``), as Megatron's norms;
-        distributed checkpoints keep it under the unfused norm's key (the layer spec's
-        ``sharded_state_dict_keys_map``).
+      * ``bias``  ``[m]``       static mapping, see :func:`initial_mapping_bias`.
     They are replicated on every tensor-parallel rank and tagged ``sequence_parallel``
     like Megatron's norm weights, so under sequence parallelism (each TP rank sees other
     tokens) ``finalize_model_grads`` sums their gradients over the TP group. They are stored
@@ -90,18 +80,8 @@ class HyperConnectionModule(MegatronModule):
     runs in fp32 whatever the parameter and activation dtypes.
     """
 
-    def __init__(self, config, hidden_size: int | None = None,
-                 fuse_input_norm: bool | None = None):
+    def __init__(self, config, hidden_size: int | None = None):
         super().__init__(config=config)
-        configured = bool(getattr(config, "mhc_fuse_input_norm", False))
-        if fuse_input_norm is not None and bool(fuse_input_norm) != configured:
-            raise ValueError(
-                f"HyperConnectionModule built with fuse_input_norm={fuse_input_norm} by its spec "
-                f"but config.mhc_fuse_input_norm={configured}: the sublayer would get "
-                f"{'no' if fuse_input_norm else 'two'} input norms. Fix: build the spec from the "
-                "same config (get_gpt_decoder_block_with_mhc_spec(config, ...)), or pass "
-                "to_mhc_layer_spec(spec, fuse_input_norm=config.mhc_fuse_input_norm).")
-        self.fuse_input_norm = configured
         self.n = config.num_residual_streams
         self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
         m = num_mapping_coefficients(self.n)
@@ -111,14 +91,9 @@ class HyperConnectionModule(MegatronModule):
         self.phi = torch.nn.Parameter(torch.empty(m, self.n * self.hidden_size, **kwargs))
         self.alpha = torch.nn.Parameter(torch.empty(3, **kwargs))
         self.bias = torch.nn.Parameter(torch.empty(m, **kwargs))
-        self.norm_weight = None
-        if self.fuse_input_norm:
-            self.norm_weight = torch.nn.Parameter(torch.empty(self.hidden_size, **kwargs))
         if config.perform_initialization:
             self.reset_parameters()
-        elif self.norm_weight is not None:  # as Megatron's norms: always initialised
-            self._reset_norm_weight()
-        for p in self.parameters(recurse=False):
+        for p in (self.phi, self.alpha, self.bias):
             p.sequence_parallel = config.sequence_parallel
 
     def _apply(self, fn, recurse=True):
@@ -144,21 +119,6 @@ class HyperConnectionModule(MegatronModule):
             self.n, getattr(self.config, "mhc_init_static_mapping",
                             MHCTransformerConfig.mhc_init_static_mapping),
             getattr(self.config, "mhc_init_res_diagonal", _INIT_H_RES_DIAGONAL)))
-        if self.norm_weight is not None:
-            self._reset_norm_weight()
-
-    @torch.no_grad()
-    def _reset_norm_weight(self) -> None:
-        self.norm_weight.fill_(0.0 if self.config.layernorm_zero_centered_gamma else 1.0)
-
-    def _input_norm(self) -> tuple[Tensor, float] | None:
-        """``(weight, eps)`` of the fused input norm, or None."""
-        if self.norm_weight is None:
-            return None
-        w = self.norm_weight
-        if self.config.layernorm_zero_centered_gamma:
-            w = w + 1.0
-        return w, self.config.layernorm_epsilon
 
     def _check_streams(self, streams: Tensor) -> None:
         expected = self.n * self.hidden_size
@@ -190,8 +150,7 @@ class HyperConnectionModule(MegatronModule):
         return streams, self.n
 
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
-        """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings):
-        ``y``, or with ``fuse_input_norm`` its RMSNorm.
+        """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings).
 
         Runs as the module's call (its ``forward``), so that the module's forward pre-hooks
         run before ``phi``, ``alpha`` and ``bias`` are read: Megatron's DDP with
@@ -205,16 +164,12 @@ class HyperConnectionModule(MegatronModule):
         self._check_streams(streams)
         ops = self._ops(streams)
         x, n = self._op_input(streams)
-        norm = self._input_norm()
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps, n=n, norm=norm)
+                                          self.config.mhc_rms_eps, n=n)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
-        # kept per-token mappings (with the norm fused, y is what the norm saves; its output
-        # is the sublayer's input, saved by the sublayer as an unfused norm's output is)
+        # kept per-token mappings
         record_as(y, ops.aggregate, x, h_pre, n=n)
-        if norm is not None:
-            y = ops.input_norm(y, *norm)
         if n is None:  # broadcast streams: y [s*b, C] -> [s, b, C]
             y = y.view(*streams.shape[:2], self.hidden_size)
         return y, StreamMappings(h_pre, h_post, h_res)

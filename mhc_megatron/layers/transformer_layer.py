@@ -20,15 +20,6 @@ instead of ``y + dropout(f + bias)``. Everything else Megatron does around the s
 ``make_viewless_tensor``) runs unchanged; CUDA graphs, the MoE EP-overlap schedule,
 the legacy ``cpu_offloading`` and fused-TP inference are refused by the config.
 
-With ``mhc_fuse_input_norm`` the hyper-connection's ``pre`` returns the sublayer's normalised
-input ``RMSNorm(y) * norm_weight`` (the norm runs inside the mHC pre kernel) and the layer's
-spec has no input norms of its own (``input_layernorm`` / ``pre_mlp_layernorm`` are
-``IdentityOp``, TE's norm-fused first linears plain ones: see :mod:`mhc_megatron.specs.gpt`),
-so Megatron's method runs the sublayer on it directly. A layer whose spec was not built with
-``fuse_input_norm=True`` is refused when it is built (its sublayers would normalise twice, or
-the norm weights would miss their checkpoint keys), as is a fused spec without mHC (no input
-norm would run at all).
-
 Fine-grained activation offloading runs as in Megatron's layer; with ``"attn_norm"`` /
 ``"mlp_norm"`` in ``offload_modules`` each sublayer's input streams (the real residual,
 ``[s, b, n*C]``) are offloaded in a group of their own and force-released right after the
@@ -143,7 +134,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, *args, **kwargs)
         self.mhc_enabled = hyper_connections_enabled(config)
         if not self.mhc_enabled:
-            _refuse_fused_spec_without_mhc(submodules)
             _say_mhc_is_off(config)
             return
         if not isinstance(config, MHCTransformerConfig):
@@ -159,8 +149,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             )
         if not isinstance(submodules, HyperConnectionTransformerLayerSubmodules):
             submodules = HyperConnectionTransformerLayerSubmodules(**vars(submodules))
-        if config.mhc_fuse_input_norm:
-            self._refuse_unfused_spec(submodules)
         self.n = config.num_residual_streams
         # Global layer 1 expands the embeddings into n streams; so does every MTP layer's inner
         # layer (its input is eh_proj's [s, b, C]; the MTP layer's final norm contracts).
@@ -180,38 +168,6 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         local_number = kwargs.get("layer_number", args[0] if args else 1)
         self.mhc_chunk_offset = self.layer_number - local_number
         _refuse_block_without_stream_contraction(_enclosing_block())
-
-    def _refuse_unfused_spec(self, submodules) -> None:
-        """With ``mhc_fuse_input_norm`` the hyper-connection modules apply the input norms.
-        Refused: a sublayer that still has one (a norm module, or a first linear with a norm
-        weight in it, as TE's LayerNormLinear), which would normalise twice, and
-        hyper-connection modules not built with ``fuse_input_norm=True`` by the spec, whose
-        ``sharded_state_dict_keys_map`` then lacks the checkpoint keys of their norm weights."""
-        own = [name for name in ("input_layernorm", "pre_mlp_layernorm")
-               if not isinstance(getattr(self, name), IdentityOp)]
-        for sublayer, linears in (("self_attention", ("linear_qkv", "linear_qkv_down_proj")),
-                                  ("mlp", ("linear_fc1",))):
-            for name in linears:
-                linear = getattr(getattr(self, sublayer), name, None)
-                if isinstance(getattr(linear, "layer_norm_weight", None), torch.Tensor):
-                    own.append(f"{sublayer}.{name}.layer_norm_weight")
-        problems = []
-        if own:
-            problems.append(f"still has the sublayers' own input norms ({', '.join(own)}), "
-                            "so they would normalise twice")
-        unfused = [name for name in _HYPER_CONNECTION_FIELDS
-                   if not _builds_fused_hyper_connection(getattr(submodules, name))]
-        if unfused:
-            problems.append(f"builds {', '.join(unfused)} without fuse_input_norm=True, so the "
-                            "checkpoint keys of their norm weights are not mapped to Megatron's")
-        if problems:
-            raise ValueError(
-                "HyperConnectionTransformerLayer: mhc_fuse_input_norm=True runs the sublayers' "
-                "input norms inside the hyper-connection modules, but this layer's spec "
-                f"{'; and it '.join(problems)}. Fix: build the spec with "
-                "get_gpt_decoder_block_with_mhc_spec(config, ...) or "
-                "to_mhc_layer_spec(spec, fuse_input_norm=True)."
-            )
 
     def forward(self, *args, **kwargs):
         """Megatron's forward; with ``mhc_recompute`` inside this layer's recompute block."""
@@ -312,32 +268,6 @@ def _say_mhc_is_off(config) -> None:
         _said_mhc_off = True
         log_rank0(logger, logging.INFO, "mHC: enable_hyper_connections=False: mHC layer specs "
                   "build plain Megatron TransformerLayers (set it True to use mHC)")
-
-
-_HYPER_CONNECTION_FIELDS = ("self_attention_hyper_connection", "mlp_hyper_connection")
-
-
-def _builds_fused_hyper_connection(builder) -> bool:
-    """A hyper-connection spec entry built with ``fuse_input_norm=True`` (the specs' form:
-    ``ModuleSpec(HyperConnectionModule, params={"fuse_input_norm": True})``)."""
-    return isinstance(builder, ModuleSpec) and bool(builder.params.get("fuse_input_norm"))
-
-
-def _refuse_fused_spec_without_mhc(submodules) -> None:
-    """A spec built with ``fuse_input_norm=True`` has no input norms outside its hyper-connection
-    modules, which a layer without mHC does not build: it would run with no input norm."""
-    fused = [name for name in _HYPER_CONNECTION_FIELDS
-             if _builds_fused_hyper_connection(getattr(submodules, name, None))]
-    if fused:
-        raise ValueError(
-            "HyperConnectionTransformerLayer: this layer's spec was built with "
-            f"fuse_input_norm=True ({', '.join(fused)}): its input norms live in the "
-            "hyper-connection modules, which are not built with enable_hyper_connections off, "
-            "so the sublayers would run without an input norm. Fix: build the spec with "
-            "get_gpt_decoder_block_with_mhc_spec(config, ...) (it fuses only with mHC on) or "
-            "to_mhc_layer_spec(spec) without fuse_input_norm, or set "
-            "enable_hyper_connections=True."
-        )
 
 
 def _enclosing_block(max_frames: int = 8):

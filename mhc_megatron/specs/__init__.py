@@ -1,7 +1,6 @@
 """Layer and block specs that add mHC to Megatron-Core models."""
 
 from mhc_megatron.specs.gpt import (
-    fuses_input_norm,
     get_gpt_decoder_block_with_mhc_spec,
     get_gpt_layer_with_mhc_local_spec,
     get_gpt_layer_with_mhc_te_spec,
@@ -11,7 +10,6 @@ from mhc_megatron.specs.gpt import (
 )
 
 __all__ = [
-    "fuses_input_norm",
     "get_gpt_decoder_block_with_mhc_spec",
     "get_gpt_layer_with_mhc_local_spec",
     "get_gpt_layer_with_mhc_te_spec",

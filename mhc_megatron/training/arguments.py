@@ -74,12 +74,6 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "or fp32 (kept fp32 in a bf16/fp16 run; Megatron's optimisers need "
                         "mhc_megatron.training.fp32_params to checkpoint them, which "
                         "examples/pretrain_gpt_mhc.py applies).")
-    g.add_argument("--mhc-fuse-input-norm", dest="mhc_fuse_input_norm", action="store_true",
-                   default=_default("mhc_fuse_input_norm"),
-                   help="Run each sublayer's input RMSNorm inside the mHC pre kernel (its "
-                        "weight lives in the hyper-connection module; checkpoints keep "
-                        "Megatron's key). Needs --normalization RMSNorm; the mHC block spec "
-                        "follows it.")
     return parser
 
 
