@@ -190,7 +190,7 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bo
 
     from mhc_megatron.config import MHCTransformerConfig
     from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
-    from mhc_megatron.testing.cpu import setup_cpu_megatron
+    from mhc_testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(1234)
     if ddp and device == "cuda":  # an RNG tracker CUDA graphs accept, for every run alike
@@ -220,7 +220,7 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bo
     make_spec = get_gpt_decoder_block_with_mhc_spec if mhc else get_gpt_decoder_block_spec
     block = make_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if not te:  # flash attention for every run of the local family
-        from mhc_megatron.testing.attention import SDPACoreAttention
+        from mhc_testing.attention import SDPACoreAttention
 
         for layer_spec in block.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -586,7 +586,7 @@ def main(argv=None):
     tiles = set_tiles(args.tile)
     from megatron.core import parallel_state
 
-    from mhc_megatron.testing.cpu import init_single_process_group
+    from mhc_testing.cpu import init_single_process_group
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     init_single_process_group()

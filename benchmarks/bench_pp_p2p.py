@@ -120,13 +120,13 @@ def raw_round_trips(shape, iters: int, warmup: int) -> list[float]:
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        from mhc_megatron.testing import cpu_training
+        from mhc_testing import cpu_training
 
         cpu_training.install_cuda_to_cpu()  # Megatron's P2P buffers are device="cuda"
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron
+    from mhc_testing.cpu import init_single_process_group, setup_cpu_megatron
 
     init_single_process_group()
     if torch.distributed.get_world_size() != 2:

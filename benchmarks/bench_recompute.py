@@ -39,7 +39,7 @@ def build(args, mhc: bool, block: int | None):
 
     from mhc_megatron.config import MHCTransformerConfig
     from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
-    from mhc_megatron.testing.cpu import setup_cpu_megatron
+    from mhc_testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(1234)
     te = args.spec == "te"
@@ -149,7 +149,7 @@ def main():
     args = p.parse_args()
     args.device = "cuda"
 
-    from mhc_megatron.testing.cpu import init_single_process_group
+    from mhc_testing.cpu import init_single_process_group
     from megatron.core import parallel_state
 
     init_single_process_group()

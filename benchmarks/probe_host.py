@@ -233,7 +233,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from megatron.core import parallel_state
 
-    from mhc_megatron.testing.cpu import init_single_process_group
+    from mhc_testing.cpu import init_single_process_group
 
     init_single_process_group()
     parallel_state.initialize_model_parallel(1, 1)

@@ -16,7 +16,7 @@ the same script trains the baseline (the mHC spec with mHC off is Megatron's own
 Data: any Megatron indexed dataset with its tokenizer, e.g. the Python standard library as
 bytes (``examples/prepare_stdlib_corpus.py``, Megatron's ``NullTokenizer``), or ``--mock-data``.
 
-Without CUDA the script installs ``mhc_megatron.testing.cpu_training`` (CPU test support for
+Without CUDA the script installs ``mhc_testing.cpu_training`` (CPU test support for
 CI and smoke runs, with gloo and Megatron's local modules: pass ``--transformer-impl local
 --no-persist-layer-norm --no-gradient-accumulation-fusion --distributed-backend gloo
 --no-rope-fusion``); it is not a way to train.
@@ -26,8 +26,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import torch
+
+# mhc_testing (CPU shims, warning filters) is test support kept in the repository, not in the
+# installed package: import it from the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def skip_megatron_helper_build() -> None:
@@ -129,7 +134,7 @@ datasets_provider.is_distributed = True
 
 def main():
     if not torch.cuda.is_available():
-        from mhc_megatron.testing import cpu_training
+        from mhc_testing import cpu_training
 
         cpu_training.install()
     skip_megatron_helper_build()

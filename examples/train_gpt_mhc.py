@@ -32,6 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# mhc_testing (CPU shims, warning filters) is test support kept in the repository, not in the
+# installed package: import it from the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 PRESETS = {
     # layers, hidden, heads, seq, batch, steps, lr, eval_every
     "cpu": dict(layers=4, hidden=128, heads=4, seq=128, batch=16, steps=300, lr=2e-3, eval_every=25),
@@ -133,7 +137,7 @@ def setup_megatron(device: str, seed: int) -> bool:
     """One-rank process group + Megatron parallel state; True if this call created them."""
     from megatron.core import parallel_state
 
-    from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron
+    from mhc_testing.cpu import init_single_process_group, setup_cpu_megatron
 
     if device == "cpu" and torch.cuda.is_available():
         raise SystemExit("--device cpu on a CUDA machine is not supported by this demo")
@@ -163,7 +167,7 @@ def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
     from mhc_megatron.config import MHCTransformerConfig
     from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
 
-    from mhc_megatron.testing.cpu import setup_cpu_megatron
+    from mhc_testing.cpu import setup_cpu_megatron
 
     setup_cpu_megatron(args.seed)  # same RNG state for both runs
     low = args.precision in ("bf16", "fp8")
@@ -185,7 +189,7 @@ def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization="RMSNorm")
     if args.attention == "sdpa":
-        from mhc_megatron.testing.attention import SDPACoreAttention
+        from mhc_testing.attention import SDPACoreAttention
 
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
@@ -392,7 +396,7 @@ def plot(results: list[RunResult], path: str, title: str) -> None:
 
 
 def main(argv=None):
-    from mhc_megatron.testing import warning_filters
+    from mhc_testing import warning_filters
 
     warning_filters.install()  # the same third-party filters as the test-suite
     args = parse_args(argv)

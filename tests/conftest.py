@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from mhc_megatron.testing import warning_filters  # noqa: E402
-from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
+from mhc_testing import warning_filters  # noqa: E402
+from mhc_testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
 
 
 def pytest_configure(config):

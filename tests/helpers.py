@@ -100,7 +100,7 @@ def sequence_parallel_capable_spec(config, spec=None):
     """The mHC block spec (or ``spec``, a local-modules mHC block spec, e.g. one pipeline
     stage's) with norms that accept sequence_parallel on CPU (no apex/TE)."""
     from mhc_megatron.layers import StreamContractingNorm
-    from mhc_megatron.testing.cpu import SequenceParallelTorchNorm
+    from mhc_testing.cpu import SequenceParallelTorchNorm
 
     if spec is None:
         spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=False)

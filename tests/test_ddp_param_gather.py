@@ -98,7 +98,7 @@ def _train(overlap: bool, device: str):
 def _main() -> None:
     device = harness.DEVICE
     if device == "cpu":
-        from mhc_megatron.testing import cpu_training
+        from mhc_testing import cpu_training
 
         cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
     harness.init()  # gloo on CPU ranks, NCCL with one GPU a rank

@@ -14,7 +14,7 @@ from mhc_megatron.diagnostics import (
     mhc_grad_norms,
 )
 from mhc_megatron.layers import HyperConnectionModule
-from mhc_megatron.testing.cpu import setup_cpu_megatron
+from mhc_testing.cpu import setup_cpu_megatron
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

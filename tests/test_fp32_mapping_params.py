@@ -3,7 +3,7 @@ Megatron-Core 0.19.2's optimisers and checkpoints, with
 :mod:`mhc_megatron.training.fp32_params`.
 
 Every check runs in fresh ``torchrun`` processes: on CPU ranks over gloo (the CUDA-to-CPU
-shims of ``mhc_megatron.testing.cpu_training`` are process-wide, so they stay out of the
+shims of ``mhc_testing.cpu_training`` are process-wide, so they stay out of the
 pytest process), and the training-loop check also on one GPU over NCCL (float16 optimiser;
 the distributed one where TE or Apex is installed). This file is also the script those
 processes run:
@@ -455,7 +455,7 @@ def _check_megatron_still_fails_without_the_fix(kind: str):
 def _core_main(tmp: str) -> None:
     from megatron.core import parallel_state
 
-    from mhc_megatron.testing import cpu_training
+    from mhc_testing import cpu_training
 
     cpu_training.install()  # the process-wide CUDA -> CPU shims Megatron's optimisers need
     torch.distributed.init_process_group("gloo")

@@ -16,7 +16,7 @@ from helpers import SPEC_FAMILIES, tiny_config
 from mhc_megatron.kernels import reference as ref
 from mhc_megatron.layers import HyperConnectionModule, HyperConnectionTransformerLayer
 from mhc_megatron.specs import get_gpt_layer_with_mhc_local_spec, get_gpt_layer_with_mhc_te_spec
-from mhc_megatron.testing.cpu import setup_cpu_megatron
+from mhc_testing.cpu import setup_cpu_megatron
 
 S, B = 8, 2
 

@@ -18,7 +18,7 @@ from helpers import (
 from mhc_megatron.config import MHCMLATransformerConfig
 from mhc_megatron.layers import HyperConnectionTransformerLayer, StreamContractingNorm
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
-from mhc_megatron.testing.attention import SDPACoreAttention
+from mhc_testing.attention import SDPACoreAttention
 
 MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8)
 

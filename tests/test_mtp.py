@@ -17,7 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec, get_gpt_mtp_block_with_mhc_spec
-from mhc_megatron.testing.cpu import setup_cpu_megatron
+from mhc_testing.cpu import setup_cpu_megatron
 
 
 def _mtp_gpt(depth=1, **overrides):

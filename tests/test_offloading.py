@@ -31,7 +31,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from mhc_megatron.config import MHCTransformerConfig
 from mhc_megatron.layers.stream_offload import STREAM_OFFLOAD_GROUPS, stream_offload_group
-from mhc_megatron.testing.cpu import setup_cpu_megatron
+from mhc_testing.cpu import setup_cpu_megatron
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="Megatron's offload manager needs CUDA")

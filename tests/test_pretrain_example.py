@@ -1,7 +1,7 @@
 """examples/pretrain_gpt_mhc.py: Megatron's own training loop with the mHC flags, end to end.
 
 Every run is a fresh ``torchrun`` of the example. Here (CI) the ranks are CPU processes over
-gloo (``mhc_megatron.testing.cpu_training``); the ``cuda`` variants run the same checks over
+gloo (``mhc_testing.cpu_training``); the ``cuda`` variants run the same checks over
 NCCL on GPUs and are skipped with fewer than 2 (the 3-D layouts: 4) CUDA devices; the 3-D
 layouts run on 4 CPU ranks here. Data: the stdlib corpus written
 by ``examples/prepare_stdlib_corpus.py``. Dropout is 0, so runs are deterministic.

@@ -10,7 +10,7 @@ import torch
 from helpers import batch, build_gpt, lm_loss, moe_overrides, needs_te, tiny_config
 
 from mhc_megatron.recompute import MHCRecomputeManager, manager_for
-from mhc_megatron.testing.cpu import setup_cpu_megatron
+from mhc_testing.cpu import setup_cpu_megatron
 
 LAYERS = 4
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

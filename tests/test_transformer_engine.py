@@ -11,7 +11,7 @@ import torch
 
 from helpers import batch, build_gpt, lm_loss, needs_te, tiny_config
 from mhc_megatron.layers import HyperConnectionModule
-from mhc_megatron.testing.cpu import setup_cpu_megatron
+from mhc_testing.cpu import setup_cpu_megatron
 
 pytestmark = needs_te
 

@@ -212,7 +212,7 @@ def test_gpt_model_triton_backend_matches_reference(seeded, monkeypatch):
     runs = []
     for backend in ("triton", "reference"):
         cfg = tiny_config(mhc_kernel_backend=backend, add_bias_linear=True)
-        from mhc_megatron.testing.cpu import setup_cpu_megatron
+        from mhc_testing.cpu import setup_cpu_megatron
 
         setup_cpu_megatron(seed=21)
         model = build_gpt(cfg, DEV)
@@ -235,7 +235,7 @@ def test_layer1_reads_the_embeddings_as_broadcast_streams(seeded, monkeypatch, b
     from helpers import batch, build_gpt, lm_loss, tiny_config
 
     from mhc_megatron.layers import transformer_layer
-    from mhc_megatron.testing.cpu import setup_cpu_megatron
+    from mhc_testing.cpu import setup_cpu_megatron
 
     expand = transformer_layer.expand_streams
     expansions = []

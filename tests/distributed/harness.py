@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from helpers import HAVE_TE, build_gpt, sequence_parallel_capable_spec, tiny_config  # noqa: E402
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec  # noqa: E402
-from mhc_megatron.testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
+from mhc_testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
 
 USE_TE = DEVICE == "cuda" and HAVE_TE and os.environ.get("MHC_DIST_TE") != "0"
 # MHC_DIST_KERNELS=reference runs the PyTorch reference ops on CUDA ranks too (to tell a
@@ -50,7 +50,7 @@ def init(world_size: int = 2, cuda_to_cpu: bool = False) -> None:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("MHC_DIST_DEVICE=cuda but no CUDA device is visible")
     if DEVICE == "cpu" and cuda_to_cpu:
-        from mhc_megatron.testing import cpu_training
+        from mhc_testing import cpu_training
 
         cpu_training.install_cuda_to_cpu()
     init_single_process_group()

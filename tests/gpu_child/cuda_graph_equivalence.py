@@ -112,7 +112,7 @@ def main():
     from helpers import batch
     from megatron.core import parallel_state, tensor_parallel
 
-    from mhc_megatron.testing.cpu import init_single_process_group
+    from mhc_testing.cpu import init_single_process_group
 
     if args.keep_graph_buffers:
         from megatron.core.transformer import cuda_graphs

@@ -20,7 +20,7 @@ What megatron.training 0.19.2 needs on CPU, and what each shim does:
   ``Tensor.type()`` reports ``torch.cuda.*`` names, which grad clipping and the fp16/bf16
   optimiser assert on.
 * The CUDA RNG state (rerun state machine, checkpoints): an empty state; our
-  :func:`~mhc_megatron.testing.cpu.setup_cpu_megatron` provides the model-parallel RNG
+  :func:`~mhc_testing.cpu.setup_cpu_megatron` provides the model-parallel RNG
   tracker, with a placeholder state so that checkpoint loading finds one (without it Megatron
   prints "Unable to load rng state" and exits with code 0).
 * TP/CP > 1 query the GPU architecture: reported as Hopper.
@@ -124,7 +124,7 @@ def install() -> None:
     import megatron.training.training as training
     from megatron.core.tensor_parallel import random as tp_random
 
-    from mhc_megatron.testing.cpu import setup_cpu_megatron
+    from mhc_testing.cpu import setup_cpu_megatron
 
     training.initialize_megatron = functools.partial(training.initialize_megatron,
                                                      allow_no_cuda=True)
