@@ -134,8 +134,8 @@ def parse_args(argv=None):
                    help="the runs to measure (default all): baseline, mhc, recompute")
     p.add_argument("--tile", action="append", default=[], metavar="NAME=V,V,...",
                    help="set a field of the kernels' TILES for every run (e.g. dx=64,64,4,3: "
-                        "a tile a probe found, measured in a step before it becomes the "
-                        "default); repeatable")
+                        "a candidate tile, e.g. from tune_tiles.py, measured in a whole "
+                        "step); repeatable")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--graphs", action="store_true",
                    help="add baseline and mHC with Megatron's local per-layer CUDA graphs; "

@@ -49,22 +49,6 @@ def copy_bandwidth():
     return 2 * a.numel() * 2 / ms / 1e6  # GB/s, read + write
 
 
-def probe_sizes(sizes, check: bool, run, check_sizes=((37, 40), (70, 256))) -> None:
-    """A probe's sizes: with ``check`` its correctness part at ``check_sizes`` (``run(T, C,
-    None)``: nothing timed; the interpreter on CPU); else the device line, then
-    ``run(T, C, bw)`` for each ``"TxC"`` of ``sizes`` with the measured copy bandwidth."""
-    if check:
-        for T, C in check_sizes:
-            run(T, C, None)
-        return
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
-          f"{triton.__version__}; copy bandwidth {bw:.0f} GB/s")
-    for size in sizes:
-        T, C = (int(v) for v in size.split("x"))
-        run(T, C, bw)
-
-
 def sublayer_bytes(m: int, c: int, elt: int = 2) -> dict:
     """Bytes each op of one sublayer reads and writes for ``m`` tokens of ``n*C`` streams
     (x) and ``C`` sublayer input/output (y), each input read once, each output written once."""

@@ -1,12 +1,13 @@
 """The benchmark scripts run on CPU (``--smoke`` sizes) and print complete tables.
 
 Not timings: a check that ``bench_e2e.py``'s ways of running (one process, a child process
-per run, interleaved rounds) and ``bench_host.py``'s op table still work after a change, so a
-GPU session does not find a broken script.
+per run, interleaved rounds), ``bench_host.py``'s op table and the two report scripts still
+work after a change, so a run on a GPU host does not find a broken script.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -67,38 +68,34 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
                      "combine forward (autograd apply)", "combine backward"]
 
 
-def test_probe_sinkhorn_kernels_equal_the_reference():
-    """The probe times copies of the Sinkhorn chain in two layouts; on the interpreter its
-    ``--check`` holds all four (forward and backward) to the reference Sinkhorn."""
-    out = run_script("benchmarks/probe_sinkhorn.py", "--check", env={"TRITON_INTERPRET": "1"})
-    assert "probe kernels equal the reference Sinkhorn" in out
+def test_pretrain_report_reproduces_the_committed_table(tmp_path):
+    """``pretrain_report.py`` on the committed 2-GPU pretraining logs writes the committed
+    ``summary.md`` (the table benchmarks/RESULTS.md cites) and the loss curves."""
+    logs = ROOT / "docs" / "results" / "pretrain_2gpu"
+    run_script("benchmarks/pretrain_report.py", str(logs), "--out", str(tmp_path))
+    assert (tmp_path / "summary.md").read_text() == (logs / "summary.md").read_text()
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0
 
 
+def test_compare_runs_table_and_plot(tmp_path):
+    """``compare_runs.py`` on two demo-style result folders: each run against the first
+    label's run of the same model, and the plot."""
+    def results(path, losses):
+        path.mkdir()
+        runs = [{"name": name, "steps": list(range(1, 5)), "seconds": 2.0,
+                 "val_steps": [2, 4], "val_loss": vals} for name, vals in losses]
+        args = {"layers": 2, "hidden": 64, "seq": 32, "batch": 4}
+        (path / "results.json").write_text(json.dumps(
+            {"device": "CPU", "args": args, "runs": runs}))
 
-def test_probe_combine_bwd_variants_agree_with_the_shipped_kernel():
-    """The probe's ``--check`` (interpreter) holds the shipped combine backward to torch math
-    and every variant it times to the shipped kernel: none WRONG, none FAILED to build."""
-    out = run_script("benchmarks/probe_combine_bwd.py", "--check", env={"TRITON_INTERPRET": "1"})
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert len(rows) >= 2 * 40, out[-2000:]  # two sizes, every variant
-    assert all(row.rstrip(" |").split("|")[-1].strip().startswith("dx, df") for row in rows), \
-        [row for row in rows if "WRONG" in row or "FAILED" in row]
-
-
-def test_probe_pre_loops_variants_agree_with_the_shipped_kernels():
-    """``probe_pre_loops.py --check`` (interpreter): every variant of ``_dhpre_partial`` and
-    ``_proj_partial`` it times gives the shipped kernel's partials."""
-    out = run_script("benchmarks/probe_pre_loops.py", "--check", env={"TRITON_INTERPRET": "1"})
-    rows = table_rows(out, "_dhpre_partial") + table_rows(out, "_proj_partial")
-    assert len(rows) == 2 * 5, out[-2000:]
-
-
-def test_probe_l2_order_variants_agree_with_the_shipped_kernels():
-    """``probe_l2_order.py --check`` (interpreter): the forward chain in the old (column
-    stripe) and all-up orders, the backward chain walking down, and both folds of the
-    combine's dx into pre's dx pass give the shipped kernels' outputs (the fold to bf16
-    rounding) at both check sizes."""
-    out = run_script("benchmarks/probe_l2_order.py", "--check", env={"TRITON_INTERPRET": "1"})
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "chain" not in line]
-    assert len(rows) == 2 * 13, out[-2000:]
-    assert sum("fold, all streams a program" in row for row in rows) == 2
+    results(tmp_path / "a", [("baseline", [2.0, 1.5]), ("mHC", [2.0, 1.4])])
+    results(tmp_path / "b", [("baseline", [2.0, 1.6]), ("mHC", [2.0, 1.3])])
+    plot = tmp_path / "cmp.png"
+    out = run_script("benchmarks/compare_runs.py", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}",
+                     "--out", str(plot))
+    rows = {" ".join(line.split("|")[0].split()): line.split("|")[1:]
+            for line in out.splitlines() if "|" in line}
+    assert float(rows["b baseline"][1]) == pytest.approx(0.1)
+    assert float(rows["b mHC"][1]) == pytest.approx(-0.1)
+    assert float(rows["a mHC"][2]) == pytest.approx(500.0)  # ms a step
+    assert plot.stat().st_size > 0
