@@ -36,7 +36,8 @@ sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
 from bench_e2e import RUNS, _sync, emit_report, interleaved_runs  # noqa: E402
 
-from mhc_megatron.kernels import triton_mhc  # noqa: E402
+from mhc_megatron.kernels.triton_combine import _CombineFn  # noqa: E402
+from mhc_megatron.kernels.triton_pre import _PreFn  # noqa: E402
 
 N, ITERS, EPS = 4, 20, 1e-6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
@@ -91,18 +92,18 @@ def op_cases(tokens: int, hidden: int):
     f = torch.randn(tokens, hidden, device=dev, dtype=bf16, requires_grad=True)
     pre_ctx, comb_ctx = RecordingCtx(), RecordingCtx(needs_input_grad=(True,) * 6)
     with torch.no_grad():
-        y, h_pre, h_post, h_res = triton_mhc._PreFn.forward(pre_ctx, x, phi, alpha, bias,
-                                                            ITERS, EPS, None)
-        out = triton_mhc._CombineFn.forward(comb_ctx, x, f, None, h_res, h_post, None)
+        y, h_pre, h_post, h_res = _PreFn.forward(pre_ctx, x, phi, alpha, bias, ITERS, EPS,
+                                                 None)
+        out = _CombineFn.forward(comb_ctx, x, f, None, h_res, h_post, None)
     dy, dout = torch.randn_like(y), torch.randn_like(out)
     dh_post, dh_res = torch.randn_like(h_post), torch.randn_like(h_res)
     return [
         ("pre forward (autograd apply)",
-         lambda: triton_mhc._PreFn.apply(x, phi, alpha, bias, ITERS, EPS, None)),
-        ("pre backward", lambda: triton_mhc._PreFn.backward(pre_ctx, dy, None, dh_post, dh_res)),
+         lambda: _PreFn.apply(x, phi, alpha, bias, ITERS, EPS, None)),
+        ("pre backward", lambda: _PreFn.backward(pre_ctx, dy, None, dh_post, dh_res)),
         ("combine forward (autograd apply)",
-         lambda: triton_mhc._CombineFn.apply(x, f, None, h_res, h_post, None)),
-        ("combine backward", lambda: triton_mhc._CombineFn.backward(comb_ctx, dout)),
+         lambda: _CombineFn.apply(x, f, None, h_res, h_post, None)),
+        ("combine backward", lambda: _CombineFn.backward(comb_ctx, dout)),
     ]
 
 

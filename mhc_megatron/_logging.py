@@ -1,9 +1,10 @@
 """Logging of mhc_megatron: Megatron's conventions, visible by default.
 
 Modules log through ``logging.getLogger(__name__)``; one-per-job messages go out on
-rank 0 only (:func:`log_rank0`, Megatron's ``log_single_rank`` convention). Megatron's own
-training loop (``megatron.training``) configures the root logger at INFO, so there our
-messages show with Megatron's. A script that configures no logging would show only
+rank 0 only (:func:`log_rank0`, Megatron's ``log_single_rank`` convention; defined in
+:mod:`mhc_megatron.kernels.log`: the kernels import nothing outside themselves).
+Megatron's own training loop (``megatron.training``) configures the root logger at INFO, so
+there our messages show with Megatron's. A script that configures no logging would show only
 warnings and errors (Python's ``logging.lastResort``), so the package logger
 ``mhc_megatron`` is set to INFO and carries one stderr handler that acts only while the
 root logger has no handlers: our INFO messages (e.g. which kernel backend runs) show by
@@ -15,8 +16,11 @@ Quieter: ``logging.getLogger("mhc_megatron").setLevel(logging.WARNING)``.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from mhc_megatron.kernels.log import log_rank0
+
+__all__ = ["PACKAGE_LOGGER", "install_default_handler", "log_rank0"]
 
 PACKAGE_LOGGER = "mhc_megatron"
 
@@ -47,19 +51,3 @@ def install_default_handler() -> None:
         logger.addHandler(_StderrWhileUnconfigured())
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-
-
-def _rank() -> int:
-    # megatron.core's safe_get_rank warns when no process group exists; a single-process
-    # script (or a test) is rank 0 without a word.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def log_rank0(logger: logging.Logger, level: int, msg: str, *args) -> None:
-    """``logger.log(level, msg, *args)`` on global rank 0 only."""
-    if _rank() == 0:
-        logger.log(level, msg, *args)

@@ -19,10 +19,10 @@ import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mhc_megatron._logging import log_rank0
+from mhc_megatron.kernels import KERNEL_BACKENDS
 
 _logger = logging.getLogger(__name__)
 
-KERNEL_BACKENDS = ("auto", "triton", "reference")
 PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, None)
 
 def _is_int(value) -> bool:

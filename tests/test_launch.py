@@ -174,7 +174,7 @@ def _sublayer(seed, x_offset=0, n=4, c=96, t=37):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled Triton kernels)")
 def test_direct_launch_equals_tritons_launcher(monkeypatch):
-    from mhc_megatron.kernels import triton_combine, triton_pre
+    from mhc_megatron.kernels import triton_combine, triton_pre_bwd, triton_pre_fwd
 
     if launch.fast_launch_supported() is not None:
         pytest.skip(f"direct launch is off here: {launch.fast_launch_supported()}")
@@ -185,8 +185,8 @@ def test_direct_launch_equals_tritons_launcher(monkeypatch):
     again = _sublayer(0)  # through the compiled kernels' launchers
     for w, a, b in zip(want, first, again):
         assert torch.equal(w, a) and torch.equal(w, b)
-    launchers = [v for mod in (triton_pre, triton_combine) for v in vars(mod).values()
-                 if isinstance(v, Launcher)]
+    launchers = [v for mod in (triton_pre_fwd, triton_pre_bwd, triton_combine)
+                 for v in vars(mod).values() if isinstance(v, Launcher)]
     assert len(launchers) == 9 and all(r.cached_kernels() > 0 for r in launchers)
 
 
@@ -195,7 +195,7 @@ def test_misaligned_input_gets_its_own_kernel(monkeypatch):
     """A misaligned x is specialised differently by Triton; the direct path must not reuse
     the aligned kernel for it: its results equal Triton's own launcher's, bit for bit (the
     two specialisations may differ from each other in the last bit)."""
-    from mhc_megatron.kernels import triton_pre
+    from mhc_megatron.kernels import triton_pre_fwd
 
     if launch.fast_launch_supported() is not None:
         pytest.skip(f"direct launch is off here: {launch.fast_launch_supported()}")
@@ -204,9 +204,9 @@ def test_misaligned_input_gets_its_own_kernel(monkeypatch):
     monkeypatch.setattr(Launcher, "_disabled", None)
     aligned = _sublayer(1)
     _sublayer(1)  # the aligned key cached and used
-    cached = triton_pre._PROJ.cached_kernels()
+    cached = triton_pre_fwd._PROJ.cached_kernels()
     first = _sublayer(1, x_offset=1)
-    assert triton_pre._PROJ.cached_kernels() == cached + 1
+    assert triton_pre_fwd._PROJ.cached_kernels() == cached + 1
     again = _sublayer(1, x_offset=1)
     for w, a, b, c in zip(want, first, again, aligned):
         assert torch.equal(w, a) and torch.equal(w, b)
@@ -217,7 +217,7 @@ def test_launch_plans_are_cached_and_follow_the_tiles():
     """Launch shapes are computed once per shape; setting a ``TILES`` field (the tuner does)
     drops them, so the next call uses the new tiles."""
     from mhc_megatron.kernels import triton_common
-    from mhc_megatron.kernels.triton_pre import _AggregatePlan
+    from mhc_megatron.kernels.triton_pre_fwd import _AggregatePlan
 
     first = triton_common.plan(_AggregatePlan, 64, 4, 1024, False)
     assert triton_common.plan(_AggregatePlan, 64, 4, 1024, False) is first

@@ -441,10 +441,10 @@ def test_dx_pass_drops_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch)
     raises."""
     from triton.runtime.errors import OutOfResources
 
-    from mhc_megatron.kernels import triton_pre
+    from mhc_megatron.kernels import triton_pre_bwd
     from mhc_megatron.kernels.triton_common import plan
 
-    p = plan(triton_pre._PreBackwardPlan, 64, 8, 32, torch.float32, None, True, True, False)
+    p = plan(triton_pre_bwd._PreBackwardPlan, 64, 8, 32, torch.float32, None, True, True, False)
     old_meta = p.dx_meta
     tried = []
 
@@ -453,16 +453,16 @@ def test_dx_pass_drops_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch)
         if meta.kwargs["LOOP_STAGES"] > fits:
             raise OutOfResources(300000, 232448, "shared memory")
 
-    monkeypatch.setattr(triton_pre, "_DX_DPHI", launch)
+    monkeypatch.setattr(triton_pre_bwd, "_DX_DPHI", launch)
     try:
         fits = 1
-        triton_pre._launch_dx_dphi(p, "args")
+        triton_pre_bwd._launch_dx_dphi(p, "args")
         assert tried == [3, 2, 1] and p.dx_meta.kwargs["LOOP_STAGES"] == 1
         assert p.dx_meta.kwargs["num_stages"] == 1
-        triton_pre._launch_dx_dphi(p, "args")  # the plan keeps what fit
+        triton_pre_bwd._launch_dx_dphi(p, "args")  # the plan keeps what fit
         assert tried == [3, 2, 1, 1]
         fits = 0
         with pytest.raises(OutOfResources):
-            triton_pre._launch_dx_dphi(p, "args")
+            triton_pre_bwd._launch_dx_dphi(p, "args")
     finally:
         p.dx_meta = old_meta

@@ -1,5 +1,10 @@
-"""mHC operations: the PyTorch reference and the run-time backend choice."""
+"""mHC operations: the PyTorch reference and the run-time backend choice.
 
-from mhc_megatron.kernels.dispatch import REFERENCE_OPS, MHCOps, select_ops
+A leaf package: its modules import only torch, triton, the standard library and each other
+(``tests/test_kernels_package.py``).
+"""
 
-__all__ = ["MHCOps", "REFERENCE_OPS", "select_ops"]
+from mhc_megatron.kernels.dispatch import (KERNEL_BACKENDS, REFERENCE_OPS, MHCOps, loaded_ops,
+                                           select_ops)
+
+__all__ = ["KERNEL_BACKENDS", "MHCOps", "REFERENCE_OPS", "loaded_ops", "select_ops"]

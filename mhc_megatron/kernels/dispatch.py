@@ -7,7 +7,10 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
   dynamic mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
 * ``combine(x, f, f_bias, h_res, h_post, n=None) -> x'``: expand-combine;
 * ``aggregate(x, h_pre, n=None) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit
-  (what ``mhc_recompute`` replays in backward instead of the whole of pre).
+  (what ``mhc_recompute`` replays in backward instead of the whole of pre);
+* ``replay_combine_aggregate`` (optional): a combine and the next pre's aggregate of its
+  output replayed as one call, which ``mhc_recompute`` registers for its replay
+  (:func:`loaded_ops`, :func:`mhc_megatron.recompute.register_replay_fusion`).
 
 ``x`` is ``[T, n, C]`` (``f``, ``y``: ``[T, C]``), or with ``n`` given the streams as the
 layers carry them, ``[..., n*C]`` (``f``, ``y``: ``[..., C]``; the Triton ops take that layout
@@ -17,7 +20,7 @@ as is, so the autograd graph has no reshape nodes around them).
 kernels or raises a clear error saying why they cannot run for ``x``; "auto" runs Triton
 where it can (CUDA tensor, supported n and dtype, Triton importable) and the reference
 otherwise, and says which once per (device type, choice) at INFO on rank 0 (shown by
-default, see :mod:`mhc_megatron._logging`).
+default, see :mod:`mhc_megatron._logging`). ``KERNEL_BACKENDS``: the three names.
 """
 
 from __future__ import annotations
@@ -31,21 +34,30 @@ from typing import Callable
 
 from torch import Tensor
 
-from mhc_megatron._logging import log_rank0
-from mhc_megatron.config import KERNEL_BACKENDS
 from mhc_megatron.kernels import reference
+from mhc_megatron.kernels.log import log_rank0
 
 logger = logging.getLogger(__name__)
+
+KERNEL_BACKENDS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True)
 class MHCOps:
-    """One implementation of the mHC operations."""
+    """One implementation of the mHC operations.
+
+    ``replay_combine_aggregate(combine_args, combine_kwargs, (size, stride, offset),
+    aggregate_rest_args, aggregate_kwargs)``, where a backend has it: the replay of a
+    recorded ``combine`` and of the ``aggregate`` recorded right after it on (a view of
+    geometry ``(size, stride, offset)`` of) its output as one call, ``((x',), (y,))`` bit for
+    bit what the two calls return, or None where it cannot (the signature of
+    :func:`mhc_megatron.recompute.register_replay_fusion`)."""
 
     name: str
     pre: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     combine: Callable[..., Tensor]
     aggregate: Callable[..., Tensor]
+    replay_combine_aggregate: Callable[..., tuple | None] | None = None
 
 
 # The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
@@ -86,13 +98,18 @@ def _load_triton_ops() -> MHCOps:
     global _triton_ops
     if _triton_ops is None:
         from mhc_megatron.kernels import triton_mhc
-        from mhc_megatron.recompute.manager import register_replay_fusion
 
         _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
-                             aggregate=triton_mhc.aggregate)
-        register_replay_fusion(triton_mhc.combine, triton_mhc.aggregate,
-                               _replay_combine_aggregate)
+                             aggregate=triton_mhc.aggregate,
+                             replay_combine_aggregate=_replay_combine_aggregate)
     return _triton_ops
+
+
+def loaded_ops() -> tuple[MHCOps, ...]:
+    """The backends loaded in this process so far: :data:`REFERENCE_OPS`, and the Triton
+    ops once :func:`select_ops` has chosen them (what the ops a recompute block recorded can
+    come from)."""
+    return (REFERENCE_OPS,) if _triton_ops is None else (REFERENCE_OPS, _triton_ops)
 
 
 def _replay_combine_aggregate(combine_args, combine_kwargs, geometry, aggregate_args,

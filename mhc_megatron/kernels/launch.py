@@ -32,7 +32,7 @@ import os
 import torch
 import triton
 
-from mhc_megatron._logging import log_rank0
+from mhc_megatron.kernels.log import log_rank0
 
 logger = logging.getLogger(__name__)
 

@@ -223,8 +223,8 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
     ``aggregate(x', h_pre, n)`` (:func:`~mhc_megatron.kernels.triton_pre.aggregate`), in one
     pass, bit for bit equal to the two ops: ``x'`` is not read back. ``h_pre [T, n]`` is the
     next pre's (fp32); ``y`` is ``[T, C]``, or ``[..., C]`` for the streams ``[..., n*C]``.
-    No autograd: ``mhc_recompute`` replays the pair with it in backward
-    (:func:`~mhc_megatron.recompute.register_replay_fusion`)."""
+    No autograd: ``mhc_recompute`` replays the pair with it in backward (the Triton ops'
+    ``replay_combine_aggregate``, :class:`~mhc_megatron.kernels.dispatch.MHCOps`)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (x, f, f_bias, h_res, h_post, h_pre)):
         raise RuntimeError("triton_mhc.combine_aggregate has no backward: it is the recompute's "

@@ -1,8 +1,9 @@
 """Shared pieces of the fused Triton mHC kernels: supported inputs, dot precision, tile
 sizes, launch-shape helpers and the ``@triton.jit`` helpers both ops use (the mapping logits
-and the log-domain Sinkhorn). The ops are in :mod:`~mhc_megatron.kernels.triton_pre` and
-:mod:`~mhc_megatron.kernels.triton_combine`; :mod:`~mhc_megatron.kernels.triton_mhc` is the
-overview.
+and the log-domain Sinkhorn). The ops are in :mod:`~mhc_megatron.kernels.triton_pre` (its
+kernels in :mod:`~mhc_megatron.kernels.triton_pre_fwd` and
+:mod:`~mhc_megatron.kernels.triton_pre_bwd`) and :mod:`~mhc_megatron.kernels.triton_combine`;
+:mod:`~mhc_megatron.kernels.triton_mhc` is the overview.
 """
 
 from __future__ import annotations

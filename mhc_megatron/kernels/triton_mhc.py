@@ -26,12 +26,16 @@ partials that are summed in a fixed order, so results are bitwise identical run 
   (one more pass over x: ``dx`` and the ``dphi`` partials together) and ``_param_grads``
   (the partials summed into ``dphi``, ``dbias``, ``dalpha``).
 
-Layout: kernels, launch plans and autograd functions per op in
-:mod:`~mhc_megatron.kernels.triton_pre` and :mod:`~mhc_megatron.kernels.triton_combine`;
-shared tiles, precisions and Sinkhorn helpers in :mod:`~mhc_megatron.kernels.triton_common`;
-the launch path in :mod:`~mhc_megatron.kernels.launch` (the compiled kernels are called
-directly once a launch shape has been seen: a fraction of Triton's per-launch host work).
-This module is the entry point: ``pre``, ``combine``, ``aggregate``, ``combine_aggregate``.
+Layout, per op: "pre"'s forward kernels and launch plans in
+:mod:`~mhc_megatron.kernels.triton_pre_fwd`, its backward's in
+:mod:`~mhc_megatron.kernels.triton_pre_bwd`, its autograd function in
+:mod:`~mhc_megatron.kernels.triton_pre`; "combine"'s kernels, launch plan and autograd
+function in :mod:`~mhc_megatron.kernels.triton_combine`; shared tiles, precisions and
+Sinkhorn helpers in :mod:`~mhc_megatron.kernels.triton_common`; the launch path in
+:mod:`~mhc_megatron.kernels.launch` (the compiled kernels are called directly once a launch
+shape has been seen: a fraction of Triton's per-launch host work). This module is the entry
+point: ``pre``, ``combine``, ``aggregate``, ``combine_aggregate`` (and the supported inputs
+and ``TILES``); the kernels and helpers are imported from the modules that define them.
 
 x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
 combine's dx (written by its backward) is added inside pre's dx kernel, so autograd gets one
@@ -46,38 +50,14 @@ x, phi rounded to TF32); fp32 x with 3xTF32. The backward dots use TF32 (16-bit 
 
 from __future__ import annotations
 
-from mhc_megatron.kernels.triton_combine import (
-    _combine_bwd,
-    _combine_fwd,
-    _CombineFn,
-    combine,
-    combine_aggregate,
-)
+from mhc_megatron.kernels.triton_combine import combine, combine_aggregate
 from mhc_megatron.kernels.triton_common import (
     SUPPORTED_DTYPES,
     SUPPORTED_STREAMS,
     TILES,
     KernelTiles,
-    _dot_precision,
-    _padded_m,
-    _splits,
-    _sweep_bc,
 )
-from mhc_megatron.kernels.triton_pre import (
-    _aggregate_fwd,
-    _dhpre_partial,
-    _mappings_bwd,
-    _mappings_fwd,
-    _param_grads,
-    _pre_dx_dphi,
-    _PreFn,
-    _proj_partial,
-    aggregate,
-    pre,
-)
+from mhc_megatron.kernels.triton_pre import aggregate, pre
 
 __all__ = ["SUPPORTED_DTYPES", "SUPPORTED_STREAMS", "TILES", "KernelTiles", "aggregate",
-           "combine", "combine_aggregate", "pre", "_PreFn", "_CombineFn", "_aggregate_fwd",
-           "_combine_bwd", "_combine_fwd", "_dhpre_partial", "_mappings_bwd", "_mappings_fwd",
-           "_param_grads", "_pre_dx_dphi", "_proj_partial", "_dot_precision", "_padded_m",
-           "_splits", "_sweep_bc"]
+           "combine", "combine_aggregate", "pre"]

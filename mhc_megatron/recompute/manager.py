@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from mhc_megatron.kernels import loaded_ops
+
 _ACTIVE_BLOCK: contextvars.ContextVar["_BlockState | None"] = contextvars.ContextVar(
     "mhc_active_recompute_block", default=None)
 
@@ -171,6 +173,7 @@ class _BlockState:
         """Recompute the needed ops of the block once, in forward order."""
         if self.outputs is not None:
             return self.outputs
+        _register_kernel_fusions()
         needed = set(self.packed_ops)
         for op in range(len(self.ops) - 1, -1, -1):
             if op in needed:
@@ -312,10 +315,20 @@ def register_replay_fusion(first: Callable, second: Callable, fused: Callable) -
     ``fused(first_args, first_kwargs, (size, stride, offset), second_rest_args,
     second_kwargs)`` (the geometry is that of the view ``second`` took; ``second_rest_args``
     its other arguments) returns ``(first_outputs, second_outputs)`` as tuples, bit for bit
-    what the two calls return, or None where it cannot (then the two ops run apart). A
-    backend registers its fused kernels here (the Triton backend: combine, then the next
-    pre's aggregate, without reading the combine's output back)."""
+    what the two calls return, or None where it cannot (then the two ops run apart). The
+    kernel backends' own fusions are registered here by the replay itself
+    (:func:`_register_kernel_fusions`; the Triton backend's: combine, then the next pre's
+    aggregate, without reading the combine's output back)."""
     _REPLAY_FUSIONS[first] = _ReplayFusion(second, fused)
+
+
+def _register_kernel_fusions() -> None:
+    """Register the replay fusion of every kernel backend loaded so far that has one
+    (``MHCOps.replay_combine_aggregate``: its combine and its aggregate). Runs before each
+    block's replay: the ops a block recorded were loaded in its forward."""
+    for ops in loaded_ops():
+        if ops.replay_combine_aggregate is not None and ops.combine not in _REPLAY_FUSIONS:
+            register_replay_fusion(ops.combine, ops.aggregate, ops.replay_combine_aggregate)
 
 
 _MANAGERS: dict[int, MHCRecomputeManager] = {}

@@ -1,0 +1,276 @@
+"""The backward kernels of the fused Triton "pre" op (:mod:`~mhc_megatron.kernels.triton_pre`)
+and their launch plan.
+
+``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd`` (sigmoid and
+Sinkhorn backward, exact: the iterations are replayed once from the logits into an fp32
+scratch and walked back; writes per token block the sums of the logit gradients for
+``dalpha``/``dbias``, and ``dP`` and the RMS term), ``_pre_dx_dphi`` (one more pass over x:
+``dx`` and the ``dphi`` partials together; adds the combine's ``dx``, ``H_res^T g``, from the
+upstream gradient ``g`` the combine hands over by
+:class:`~mhc_megatron.kernels.handoff.DxLink`) and ``_param_grads`` (the fixed-order sums of
+the partials into ``dphi``, ``dbias``, ``dalpha`` in the parameters' dtypes).
+
+Host side: the launch shapes of a (T, n, C, dtype) (:class:`_PreBackwardPlan`, computed once
+by :func:`~mhc_megatron.kernels.triton_common.plan`), a
+:class:`~mhc_megatron.kernels.launch.Launcher` per kernel, and :func:`_launch_dx_dphi` (the dx
+pass at as many loop stages as fit in shared memory).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
+from mhc_megatron.kernels.log import log_rank0
+from mhc_megatron.kernels.triton_common import (
+    TILES,
+    _dot_precision,
+    _mapping_logits,
+    _padded_m,
+    _sinkhorn_log_bwd,
+    _splits,
+    _sweep_bc,
+    stream_strides,
+    token_block,
+)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT, N: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr, X_BCAST: tl.constexpr):
+    """part[s, t, i] = sum over channels of C-split s of dy[t, c] x[t, i, c]."""
+    XT, XS = stream_strides(N, C, X_BCAST)
+    t, tmask, t64 = token_block(T, BT)
+    split = tl.program_id(1)
+    i = tl.arange(0, N)
+    acc = tl.zeros([BT, N], dtype=tl.float32)
+    c_start = split * C_PER_SPLIT
+    for c0 in range(c_start, c_start + C_PER_SPLIT, BC):
+        c = c0 + tl.arange(0, BC)
+        m2 = tmask[:, None] & (c < C)[None, :]
+        x3 = tl.load(x_ptr + t64[:, None, None] * XT + i[None, :, None] * XS + c[None, None, :],
+                     mask=m2[:, None, :], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.sum(x3 * dy[:, None, :], axis=2)
+    row = split.to(tl.int64) * T + t64
+    tl.store(part_ptr + row[:, None] * N + i[None, :], acc, mask=tmask[:, None])
+
+
+@triton.jit
+def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rstd_ptr,
+                  alpha_ptr, bias_ptr, red_ptr, dp_ptr, coef_ptr, hist_ptr, T, K, iters,
+                  HAS_DHPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
+    """Per token block: sigmoid and Sinkhorn backward, then the logit grads dz, dP (its
+    padding columns zeroed) and the RMS coefficient for dx.
+
+    dz is only summed over tokens: this program writes its block's sums to
+    ``red [program, MP]``, columns ``[0, M)`` the bias grads (sum of dz) and ``[M, M+3)``
+    the alpha grads (sum of dz * Ht per pre / post / res group); the caller sums the rows.
+
+    The Sinkhorn backward (:func:`~mhc_megatron.kernels.triton_common._sinkhorn_log_bwd`)
+    replays the iterations once from the logits into the scratch ``hist [iters, T, N*N]``
+    (fp32, written and read back by the same program), then walks them in reverse."""
+    t, tmask, t64 = token_block(T, BT)
+    i = tl.arange(0, N)
+    ij = i[:, None] * N + i[None, :]
+    d_pre = tl.zeros([BT, N], dtype=tl.float32)
+    for s in range(SPLITS):
+        d_pre += tl.load(part_ptr + (s * T + t64)[:, None] * N + i[None, :], mask=tmask[:, None],
+                         other=0.0)
+    if HAS_DHPRE:
+        d_pre += tl.load(dhpre_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
+
+    z_pre, z_post, z_res, ht_pre, ht_post, ht_res, a_pre, a_post, a_res = _mapping_logits(
+        ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N, MP)
+    s_pre = tl.sigmoid(z_pre)
+    s_post = tl.sigmoid(z_post)
+    dz_pre = d_pre * s_pre * (1.0 - s_pre)
+    d_post = tl.load(dhpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
+    dz_post = d_post * 2.0 * s_post * (1.0 - s_post)
+
+    d_res = tl.load(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
+                    mask=tmask[:, None, None], other=0.0)
+    dz_res = _sinkhorn_log_bwd(z_res, d_res, hist_ptr, t64, tmask, T, iters, N)
+
+    # masked tokens have dz = 0 (their upstream grads load as 0) and Ht = 0
+    M: tl.constexpr = 2 * N + N * N
+    red = red_ptr + tl.program_id(0).to(tl.int64) * MP
+    tl.store(red + i, tl.sum(dz_pre, axis=0))
+    tl.store(red + N + i, tl.sum(dz_post, axis=0))
+    tl.store(red + 2 * N + ij, tl.sum(dz_res, axis=0))
+    g = tl.arange(0, 4)
+    a_grads = tl.where(g == 0, tl.sum(tl.sum(dz_pre * ht_pre, axis=1), axis=0),
+                       tl.where(g == 1, tl.sum(tl.sum(dz_post * ht_post, axis=1), axis=0),
+                                tl.sum(tl.sum(tl.sum(dz_res * ht_res, axis=2), axis=1),
+                                       axis=0)))
+    tl.store(red + M + g, a_grads, mask=g < 3)
+
+    # Ht = P * rstd, rstd = (sum(x^2)/K + eps)^-1/2:
+    #   dP = dHt * rstd;  dx += dP @ phi - (sum_m dHt_m Ht_m) * rstd^2 / K * x
+    rstd = tl.load(rstd_ptr + t, mask=tmask, other=0.0)
+    dht_pre = dz_pre * a_pre
+    dht_post = dz_post * a_post
+    dht_res = dz_res * a_res
+    dsum = (tl.sum(dht_pre * ht_pre, axis=1) + tl.sum(dht_post * ht_post, axis=1)
+            + tl.sum(tl.sum(dht_res * ht_res, axis=2), axis=1))
+    tl.store(coef_ptr + t, -dsum * rstd * rstd / K, mask=tmask)
+    prow = dp_ptr + t64 * MP
+    tl.store(prow[:, None] + i[None, :], dht_pre * rstd[:, None], mask=tmask[:, None])
+    tl.store(prow[:, None] + N + i[None, :], dht_post * rstd[:, None], mask=tmask[:, None])
+    tl.store(prow[:, None, None] + 2 * N + ij[None, :, :], dht_res * rstd[:, None, None],
+             mask=tmask[:, None, None])
+    if MP > M:  # _pre_dx_dphi reads dP's padding columns: zeros
+        pad = tl.arange(0, MP)
+        tl.store(prow[:, None] + pad[None, :], tl.zeros([BT, MP], dtype=tl.float32),
+                 mask=tmask[:, None] & (pad >= M)[None, :])
+
+
+@triton.jit
+def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
+                 dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr, N: tl.constexpr,
+                 M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 PREC: tl.constexpr, X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """One pass over x for both x and phi gradients of "pre".
+
+    Program (stream s, channel block, token split) walks its tokens:
+    ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
+    (+ sum_i H_res[t, i, s] g[t, i, c], the combine's dx from its upstream gradient ``g``
+    [T, N, C] and ``H_res`` [T, N, N], when HAS_G: the fold of
+    :class:`~mhc_megatron.kernels.handoff.DxLink`)`` and accumulates
+    ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
+    fastest in the launch order, so the N programs sharing a dy tile run together (L2).
+    The token loop is software-pipelined as a whole (``LOOP_STAGES``): the launch's
+    ``num_stages`` would pipeline only the loads that feed a ``tl.dot`` (dP, x), not those of
+    dy and the combine's dx (measured: 0.216 -> 0.165 ms at 4096 x 4096 on an H100)."""
+    s = tl.program_id(0) % N
+    c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
+    split = tl.program_id(1)
+    cmask = c < C
+    K = N * C
+    XT, XS = stream_strides(N, C, X_BCAST)
+    k = s * C + c
+    mcol = tl.arange(0, MP)
+    ph = tl.load(phi_ptr + mcol[:, None].to(tl.int64) * K + k[None, :],
+                 mask=(mcol[:, None] < M) & cmask[None, :], other=0.0).to(tl.float32)
+    dphi = tl.zeros([MP, BC], dtype=tl.float32)
+    t_start = split * TOKENS_PER_SPLIT
+    for t0 in tl.range(t_start, t_start + TOKENS_PER_SPLIT, BT, num_stages=LOOP_STAGES):
+        t = t0 + tl.arange(0, BT)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        m2 = tmask[:, None] & cmask[None, :]
+        dp = tl.load(dp_ptr + t64[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
+        coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
+        h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
+        dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        offs = t64[:, None] * K + k[None, :]  # dx: [T, N, C]
+        xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
+        if HAS_G:  # g's N stream tiles, shared by the N programs of a block (L2)
+            for i in tl.static_range(N):
+                g_i = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2,
+                              other=0.0).to(tl.float32)
+                h_is = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask, other=0.0)
+                dxs += h_is[:, None] * g_i
+        tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
+        dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
+    tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
+             mask=cmask[None, :])
+
+
+@triton.jit
+def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS, SPLIT_STRIDE,
+                 MK, ROWS, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
+                 ROWS_STEP: tl.constexpr):
+    """The parameter gradients from their partials, summed in a fixed order.
+
+    Programs ``0 .. P-2``: ``dphi.flat[i] = sum_s dphi_part[s].flat[i]`` for ``i < M*K``
+    (``dphi_part [SPLITS, MP, K]``: its first ``M`` rows, flattened, are ``dphi``'s layout).
+    The last program: ``dbias[j] = sum_r red[r, j]`` and ``dalpha[g] = sum_r red[r, M + g]``
+    (``red [ROWS, MP]``, written by ``_mappings_bwd``)."""
+    pid = tl.program_id(0)
+    if pid == tl.num_programs(0) - 1:
+        j = tl.arange(0, MP)
+        r = tl.arange(0, ROWS_STEP)
+        red2 = tl.zeros([ROWS_STEP, MP], dtype=tl.float32)
+        for r0 in range(0, ROWS, ROWS_STEP):  # ROWS_STEP rows a load, not one row a latency
+            red2 += tl.load(red_ptr + (r0 + r)[:, None] * MP + j[None, :],
+                            mask=(r0 + r < ROWS)[:, None], other=0.0)
+        red = tl.sum(red2, axis=0)
+        tl.store(dbias_ptr + j, red.to(dbias_ptr.dtype.element_ty), mask=j < M)
+        tl.store(dalpha_ptr + (j - M), red.to(dalpha_ptr.dtype.element_ty),
+                 mask=(j >= M) & (j < M + 3))
+    else:
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < MK
+        dphi = tl.zeros([BLOCK], dtype=tl.float32)
+        src = dphi_part_ptr + i
+        for _ in range(SPLITS):  # pointer steps: no int32 product of the split and its stride
+            dphi += tl.load(src, mask=mask, other=0.0)
+            src += SPLIT_STRIDE
+        tl.store(dphi_ptr + i, dphi.to(dphi_ptr.dtype.element_ty), mask=mask)
+
+
+
+# ------------------------------------------------------------------------------- host side
+_DHPRE, _MAPS_BWD = Launcher(_dhpre_partial), Launcher(_mappings_bwd)
+_DX_DPHI, _PARAM_GRADS = Launcher(_pre_dx_dphi), Launcher(_param_grads)
+_PARAM_GRADS_BLOCK = 1024
+logger = logging.getLogger(__name__)
+
+
+class _PreBackwardPlan:
+    """Launch shapes of pre's backward for ``x [T, n, C]`` of ``dtype``."""
+
+    def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
+                 has_dhpre: bool, has_g: bool, bcast: bool):
+        self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
+        bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
+        self.dh_splits, per = _splits(cdiv(T, bt), C, bc)
+        self.dh_grid = (cdiv(T, bt), self.dh_splits)
+        self.dh_per = per
+        self.dh_meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
+        map_bt, map_warps = TILES.maps
+        self.map_programs = max(cdiv(T, map_bt), 1)
+        self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt,
+                             num_warps=map_warps)
+        bt_dx, bc_dx, warps_dx, stages_dx = TILES.dx
+        bc_dx = min(bc_dx, max(16, next_pow2(C)))
+        dx_blocks = n * cdiv(C, bc_dx)
+        self.dx_splits, self.dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
+        self.dx_grid = (dx_blocks, self.dx_splits)
+        self.dx_meta = Meta(HAS_G=has_g, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
+                            PREC=_dot_precision(dtype, forced), X_BCAST=bcast,
+                            LOOP_STAGES=stages_dx, num_warps=warps_dx, num_stages=stages_dx)
+        mk = self.m * self.K
+        self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
+        self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK,
+                               ROWS_STEP=max(1, min(32, next_pow2(self.map_programs))),
+                               num_warps=4)
+
+
+
+def _launch_dx_dphi(p: _PreBackwardPlan, *args) -> None:
+    """``_pre_dx_dphi`` at its plan's loop stages, one stage fewer (kept in the plan) each time
+    the GPU's shared memory cannot hold them: with the combine's ``g`` a stage buffers n
+    stream tiles of it, too many for 3 stages at n=8 in fp32 on an H100."""
+    while True:
+        try:
+            _DX_DPHI(p.dx_grid, p.dx_meta, *args)
+            return
+        except OutOfResources:
+            stages = p.dx_meta.kwargs["LOOP_STAGES"]
+            if stages <= 1:
+                raise
+            p.dx_meta = Meta(**{**p.dx_meta.kwargs, "LOOP_STAGES": stages - 1,
+                                "num_stages": stages - 1})
+            log_rank0(logger, logging.INFO, "mHC dx pass: %d loop stages do not fit in shared "
+                      "memory here; %d", stages, stages - 1)
+
