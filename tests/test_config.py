@@ -76,8 +76,8 @@ REFUSED = {
                                "moe_token_dispatcher_type"),
     # the interleaved schedule at PP=2 with batched P2P (TransformerConfig's defaults):
     # NCCL (and gloo) match the two directions' sends and receives in order, so activations
-    # and gradients swap buffers (reproduced with tests/distributed/pp_equivalence.py on CPU
-    # ranks: micro-batch 2's loss off, gradients off by more than their own norm)
+    # and gradients swap buffers (tests/distributed/pp_equivalence.py in this layout on CPU
+    # ranks: micro-batch 2's loss is off, gradients are off by more than their own norm)
     "interleaved_pp2_batched_p2p": (dict(pipeline_model_parallel_size=2,
                                          virtual_pipeline_model_parallel_size=2,
                                          pipeline_dtype=torch.float32),

@@ -113,15 +113,15 @@ def _h_res_over_h_post_bias_grads(**config) -> list[float]:
 
 
 def test_default_init_gives_h_res_gradients_that_grow_with_the_gating_factor(seeded):
-    """Why the defaults are zero static mapping + gating 0.1 (the quality study, issue 14):
+    """Why the defaults are zero static mapping + gating 0.1 (docs/results/study/REPORT.md):
     H_res mixes n streams that start as equal copies, and any doubly stochastic H_res maps
     equal streams to themselves, so its logits get gradients only as far as the streams
     differ, and they differ through the per-token (dynamic) part of H_post, whose size is the
     gating factor. At step 0 with the defaults: H_pre and H_post get gradients in every
     sublayer; H_res gets ~none in the first sublayer (its input is n equal copies) and the
     last (the final norm sums the streams, which every doubly stochastic H_res preserves, so
-    that one never learns), and in between at least 10x (measured 25-80x) more, relative to
-    H_post's, than with the paper's gating 0.01."""
+    that one never learns), and in between at least 10x (25-80x in this model) more, relative
+    to H_post's, than with the paper's gating 0.01."""
     setup_cpu_megatron(seed=1234)
     default = _h_res_over_h_post_bias_grads()
     setup_cpu_megatron(seed=1234)  # the same weights

@@ -180,7 +180,7 @@ def test_zero_static_mapping_is_megatron_lms(n):
 
 @pytest.mark.parametrize("static", ["residual", "zero"])
 def test_h_res_gets_almost_no_gradient_while_the_streams_are_equal(static):
-    """Why H_res hardly moves early in training (issue 14): while all n streams are equal
+    """Why H_res hardly moves early in training: while all n streams are equal
     (layer 1 expands h into n copies, and H_post = 1 adds the same output to each), every
     doubly stochastic H_res maps them to themselves, so dL/dH_res has equal columns, which the
     exact doubly-stochastic projection removes. With the zero (uniform) initialisation the

@@ -6,10 +6,10 @@ When combine's ``h_res`` comes from our pre on the same ``x`` (unmodified), comb
 backward forms no ``dx`` at all: it parks its upstream gradient ``g`` and ``h_res`` on a
 :class:`DxLink` and returns None for ``x``; pre's backward (which runs after it: it needs
 the gradients of ``h_res`` / ``h_post``) forms ``H_res^T g`` inside its dx pass and adds it
-to its own dx there (the fold: one x-sized write and read less a sublayer,
-``benchmarks/probe_l2_order.py``). When the check fails, each op returns its own ``dx`` and
-autograd adds them, so results never depend on whether the link was taken beyond rounding
-(the linked path adds the combine's part in fp32, the other rounds it to x's dtype first).
+to its own dx there (the fold: one x-sized write and one x-sized read less a sublayer).
+When the check fails, each op returns its own ``dx`` and autograd adds them, so results
+never depend on whether the link was taken beyond rounding (the linked path adds the
+combine's part in fp32, the other rounds it to x's dtype first).
 """
 
 from __future__ import annotations

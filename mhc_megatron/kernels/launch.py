@@ -4,10 +4,10 @@ A Triton kernel launched as ``kernel[grid](*args, **meta)`` goes through the JIT
 every call: it reads the runtime knobs, binds and specialises every argument, builds the
 cache key, looks the compiled kernel up, checks the globals it used and builds launch
 metadata before it calls the C launcher. That is 13-22 us a launch on an H100 host (triton
-3.6, ``benchmarks/probe_host.py``) against 5-9 us for the C launcher itself, and mHC makes
-8 launches a sublayer, forward and backward. :class:`Launcher` keeps, per call site, the
-compiled kernel that Triton's launcher picked for a cheaper key of the same arguments, and
-calls the compiled kernel's launcher directly from then on.
+3.6) against 5-9 us for the C launcher itself (``benchmarks/RESULTS.md``, "Host (CPU)
+time"), and mHC makes 9 launches a sublayer, forward and backward. :class:`Launcher` keeps,
+per call site, the compiled kernel that Triton's launcher picked for a cheaper key of the
+same arguments, and calls the compiled kernel's launcher directly from then on.
 
 The key is at least as fine as Triton's specialisation (so a cached kernel is always one
 Triton itself would have picked for these arguments): per tensor its dtype and whether its
@@ -20,8 +20,7 @@ first launch of every key (it compiles, or finds the kernel in Triton's cache).
 
 Also here: ``cdiv`` and ``next_pow2`` for host code. ``triton.cdiv`` and
 ``triton.next_power_of_2`` are ``constexpr_function``s in triton 3.6: called from Python
-each unwraps its arguments through Triton's constexpr machinery (~3 us a call; the mHC ops
-made ~34 such calls a sublayer).
+each unwraps its arguments through Triton's constexpr machinery (~3 us a call).
 """
 
 from __future__ import annotations

@@ -40,8 +40,10 @@ def _combine_fwd(x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr, out_ptr, hnext_pt
 
     HAS_AGG (the recompute's replay, :func:`combine_aggregate`): also the next pre's aggregate
     of ``out``, ``y [T, C] = sum_i h_next[t, i] out[t, i, c]`` (``hnext [T, N]`` fp32), by
-    the helper of ``_aggregate_fwd`` (the same bits) on the tile this program just stored,
-    read back from cache: ``out`` makes no second trip through memory."""
+    the helper of ``triton_pre_fwd._aggregate_fwd``
+    (:func:`~mhc_megatron.kernels.triton_common._aggregate_tile`: the same bits) on the tile
+    this program just stored, read back from cache: ``out`` makes no second trip through
+    memory."""
     cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), False)  # ascending (the projection
     XT, XS = stream_strides(N, C, X_BCAST)                        # after it walks down)
     c = cb * BC + tl.arange(0, BC)
@@ -138,11 +140,11 @@ class _CombinePlan:
 
 
 def _launch_combine(x, f, f_bias, h_res, h_post, out, bcast, h_next=None, y=None) -> None:
-    """``out = H_res x + H_post (f + f_bias)`` for ``x [T, n, C]`` as :func:`streams_operand`
-    returns it (``bcast``), fp32 mappings (T > 0); with ``h_next`` also the next pre's
-    aggregate of ``out`` into ``y`` (``HAS_AGG``). The one launch of the combine's forward,
-    shared by the autograd op and the recompute's fused replay: the same tiles, so the same
-    ``out``."""
+    """``out = H_res x + H_post (f + f_bias)`` for ``x [T, n, C]`` as
+    :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it (``bcast``), fp32
+    mappings (T > 0); with ``h_next`` also the next pre's aggregate of ``out`` into ``y``
+    (``HAS_AGG``). The one launch of the combine's forward, shared by the autograd op and the
+    recompute's fused replay: the same tiles, so the same ``out``."""
     T, n, C = x.shape
     p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
     fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS

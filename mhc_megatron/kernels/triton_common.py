@@ -70,8 +70,8 @@ def token_rows(T, BT: tl.constexpr, INNER, DESCENDING: tl.constexpr):
     kernel moves through the tokens in time, ascending or (DESCENDING) from the last block.
     Consecutive kernels over one tensor walk it in opposite directions: each starts on the
     rows the kernel before it touched last, which are still in L2 (the forward's combine ->
-    projection -> aggregate, ``benchmarks/probe_l2_order.py``). Returns ``(inner index,
-    token indices, their mask, the indices as int64)``."""
+    projection -> aggregate; ``benchmarks/RESULTS.md``, "Per kernel in a training step").
+    Returns ``(inner index, token indices, their mask, the indices as int64)``."""
     pid = tl.program_id(0)
     blk = pid // INNER
     if DESCENDING:
@@ -167,20 +167,21 @@ def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP
 # --------------------------------------------------------------------- tiles, launch shapes
 @dataclass
 class KernelTiles:
-    """Tile sizes and launch shapes; n=4 values from ``benchmarks/tune_tiles.py`` on an H100
-    (M=16384, C=4096, bf16; table in benchmarks/RESULTS.md).
+    """Tile sizes and launch shapes; n=4 values from ``benchmarks/tune_tiles.py``, the
+    H100's best at M x C = 4096 x 4096 and 16384 x 4096 in bf16 (``benchmarks/RESULTS.md``,
+    "Tile search").
 
     The projection streams phi once per token block (L2), so blocks of 64 tokens keep phi's
     traffic below x's. The mapping kernels are a serial chain of log-normalisations per
     program (latency, not bandwidth): one warp a program keeps every reduction in shuffles
     (no cross-warp round trips), and 16 tokens a program spread the chains over the SMs at
-    short sequences (``benchmarks/probe_sinkhorn.py``). n=8 pads the mapping to 128 columns
-    and needs smaller projection tiles to fit shared memory. Reductions over K / C / T are
-    split across programs (fp32 partials, summed in a fixed order) so that about
-    ``target_programs`` programs are in flight. "loop stages": the streaming loops of the
-    combine's backward and of pre's dx pass are software-pipelined as a whole
-    (``tl.range(..., num_stages=...)``); a launch's ``num_stages`` pipelines only the loads
-    that feed a ``tl.dot`` (``benchmarks/probe_combine_bwd.py``, ``probe_dx_kernel.py``)."""
+    short sequences (64 tokens and 4 warps a program are slower: ``benchmarks/RESULTS.md``,
+    "Tried and dropped"). n=8 pads the mapping to 128 columns and needs smaller projection
+    tiles to fit shared memory. Reductions over K / C / T are split across programs (fp32
+    partials, summed in a fixed order) so that about ``target_programs`` programs are in
+    flight. "loop stages": the streaming loops of the combine's backward and of pre's dx
+    pass are software-pipelined as a whole (``tl.range(..., num_stages=...)``): a launch's
+    ``num_stages`` pipelines only the loads that feed a ``tl.dot``."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
@@ -234,9 +235,9 @@ def _check(x: torch.Tensor, n: int) -> None:
 def streams_operand(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``(x, broadcast)``: the streams as the kernels read them. ``x [T, n, C]`` whose n
     streams are one copy, a view ``h.view(T, 1, C).expand(T, n, C)`` of contiguous rows
-    (stream stride 0: global layer 1's expansion, :func:`~mhc_megatron.layers.streams.
-    broadcast_streams`), is read as it is (``broadcast`` True), never materialised;
-    anything else is made contiguous (``broadcast`` False)."""
+    (stream stride 0: global layer 1's expansion,
+    :func:`~mhc_megatron.layers.streams.broadcast_streams`), is read as it is (``broadcast``
+    True), never materialised; anything else is made contiguous (``broadcast`` False)."""
     if (x.dim() == 3 and x.shape[1] > 1 and x.stride(1) == 0 and x.stride(2) == 1
             and x.stride(0) == x.shape[2]):
         return x, True

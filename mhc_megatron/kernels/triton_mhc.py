@@ -18,13 +18,15 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; with ``HAS_AGG`` also the next
   pre's aggregate of ``x'`` (``combine_aggregate``: ``mhc_recompute``'s replay of the pair,
   bit for bit the two ops, ``x'`` not read back).
-* ``_combine_bwd``: ``dx``, ``df``, ``dH_post``, ``dH_res`` for a token block, looping over C.
+* ``_combine_bwd``: ``dx`` (unless pre's dx pass forms it, see below), ``df``, ``dH_post``,
+  ``dH_res`` for a token block, looping over C.
 * backward "pre": ``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd``
   (sigmoid and Sinkhorn backward, exact: the iterations are replayed once from the logits
   into an fp32 scratch and walked back; writes per token block the sums of the logit
   gradients for ``dalpha``/``dbias``, and ``dP`` and the RMS term), ``_pre_dx_dphi``
-  (one more pass over x: ``dx`` and the ``dphi`` partials together) and ``_param_grads``
-  (the partials summed into ``dphi``, ``dbias``, ``dalpha``).
+  (one more pass over x: ``dx``, with the combine's part where it is handed over, and the
+  ``dphi`` partials together) and ``_param_grads`` (the partials summed into ``dphi``,
+  ``dbias``, ``dalpha``).
 
 Layout, per op: "pre"'s forward kernels and launch plans in
 :mod:`~mhc_megatron.kernels.triton_pre_fwd`, its backward's in
@@ -38,9 +40,9 @@ point: ``pre``, ``combine``, ``aggregate``, ``combine_aggregate`` (and the suppo
 and ``TILES``); the kernels and helpers are imported from the modules that define them.
 
 x feeds both "pre" and "combine": when combine's mappings come from our pre on the same x,
-combine's dx (written by its backward) is added inside pre's dx kernel, so autograd gets one
-x-gradient per sublayer instead of adding two x-sized tensors (see
-:mod:`mhc_megatron.kernels.handoff`).
+combine's backward writes no dx; pre's dx kernel forms combine's part, ``H_res^T g``, from
+combine's upstream gradient ``g`` and adds it to its own, so autograd gets one x-gradient per
+sublayer instead of adding two x-sized tensors (see :mod:`mhc_megatron.kernels.handoff`).
 
 Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
 split into bf16 hi + lo halves (~16 mantissa bits of phi); fp16 x widened and TF32 (exact for

@@ -47,8 +47,9 @@ from mhc_megatron.kernels.triton_pre_fwd import (
 
 class _PreFn(torch.autograd.Function):
     """``x`` is ``[T, n, C]`` (``n_streams`` None; possibly one broadcast row a token, read
-    as is: :func:`streams_operand`) or the streams ``[..., n*C]``; ``y`` is ``[T, C]`` or
-    ``[..., C]`` accordingly, the mappings are per token."""
+    as is: :func:`~mhc_megatron.kernels.triton_common.streams_operand`) or the streams
+    ``[..., n*C]``; ``y`` is ``[T, C]`` or ``[..., C]`` accordingly, the mappings are per
+    token."""
 
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None):

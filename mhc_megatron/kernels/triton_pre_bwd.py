@@ -147,7 +147,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
     fastest in the launch order, so the N programs sharing a dy tile run together (L2).
     The token loop is software-pipelined as a whole (``LOOP_STAGES``): the launch's
     ``num_stages`` would pipeline only the loads that feed a ``tl.dot`` (dP, x), not those of
-    dy and the combine's dx (measured: 0.216 -> 0.165 ms at 4096 x 4096 on an H100)."""
+    dy and of the combine's ``g``."""
     s = tl.program_id(0) % N
     c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
     split = tl.program_id(1)

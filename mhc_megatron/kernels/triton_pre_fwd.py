@@ -122,7 +122,7 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C, N: tl.constexpr, BT: tl.constex
                    BC: tl.constexpr, X_BCAST: tl.constexpr):
     """y[t, c] = sum_i h_pre[t, i] x[t, i, c] on a (token, channel) grid
     (:func:`~mhc_megatron.kernels.triton_common._aggregate_tile`: the same bits as the fused
-    replay of the recompute, ``_combine_fwd`` with ``HAS_AGG``)."""
+    replay of the recompute, ``triton_combine._combine_fwd`` with ``HAS_AGG``)."""
     XT, XS = stream_strides(N, C, X_BCAST)
     cb, t, tmask, t64 = token_rows(T, BT, tl.cdiv(C, BC), False)  # up: the projection went down
     c = cb * BC + tl.arange(0, BC)
@@ -138,7 +138,7 @@ _PROJ, _MAPS_FWD, _AGG = Launcher(_proj_partial), Launcher(_mappings_fwd), Launc
 
 class _AggregatePlan:
     """Launch shape of ``_aggregate_fwd`` for ``x [T, n, C]`` (``bcast``: one broadcast row
-    a token, :func:`streams_operand`)."""
+    a token, :func:`~mhc_megatron.kernels.triton_common.streams_operand`)."""
 
     def __init__(self, T: int, n: int, C: int, bcast: bool):
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
@@ -169,9 +169,9 @@ class _PreForwardPlan:
 def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor,
                       bcast: bool) -> None:
     """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for ``x [T, n, C]`` as
-    :func:`streams_operand` returns it (``bcast``), fp32 ``h_pre [T, n]`` (T > 0): the one
-    launch of the aggregate, shared by pre's forward and :func:`aggregate`, so that both
-    give the same bits."""
+    :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it (``bcast``), fp32
+    ``h_pre [T, n]`` (T > 0): the one launch of the aggregate, shared by pre's forward and
+    :func:`~mhc_megatron.kernels.triton_pre.aggregate`, so that both give the same bits."""
     T, n, C = x.shape
     p = plan(_AggregatePlan, T, n, C, bcast)
     _AGG(p.grid, p.meta, x, h_pre, y, T, C)
