@@ -224,25 +224,41 @@ def report(out: str) -> str:
     return table
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--report" in argv:
-        print(report(argv[argv.index("--report") + 1]))
-        return
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--seeds", type=int, default=3)
-    extra.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    extra.add_argument("--time-budget-s", type=float, default=0.0,
-                       help="start no run that would end after this many seconds (0: no "
-                            "limit); study.json keeps what finished, a rerun resumes")
-    mine, rest = extra.parse_known_args(argv)
-    args = demo.parse_args(rest)
+def study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The study's own flags, as a group of the demo's parser."""
+    g = parser.add_argument_group("mhc_study.py")
+    g.add_argument("--seeds", type=int, default=3,
+                   help="runs per variant, with seeds --seed, --seed + 1, ...")
+    g.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
+                   help="name=key:value,... (keys: static, diag, gating, params) or baseline")
+    g.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="start no run that would end after this many seconds (0: no "
+                        "limit); study.json keeps what finished, a rerun resumes")
+    g.add_argument("--report", metavar="OUT",
+                   help="only write the plot and table of the study in OUT (no training)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The demo's flags (``train_gpt_mhc.parse_args``) and the study's, in one parser with
+    exact names only (``--seed`` is the demo's seed, never ``--seeds``)."""
+    args = demo.parse_args(argv, extra_arguments=study_arguments,
+                           description=__doc__.split("\n\n")[0])
+    if args.report:
+        return args
     if args.precision == "fp8":
         raise SystemExit("the study runs --precision fp32 or bf16")
-    args.seeds, args.variants, args.time_budget_s = mine.seeds, mine.variants, mine.time_budget_s
     for text in args.variants:
         parse_variant(text)  # bad variants fail before any training
-    run_study(args)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.report:
+        print(report(args.report))
+        return
+    with demo.console():
+        run_study(args)
     print(report(args.out))
 
 

@@ -9,7 +9,8 @@ as raw bytes 0..255 with end-of-document id 256, written with Megatron's own
 ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 257 --split 98,1,1``
 (NullTokenizer's end-of-document id is ``vocab_size - 1`` = 256). Choose ``--split`` so that
 every split gets at least one document: Megatron's GPT dataset builder loops without end on
-an empty split (8 MB here is ~400 documents, so 98,1,1 gives 4 each to validation and test).
+an empty split (8 MB here is ~570 documents, so 98,1,1 gives 5 or 6 each to validation and
+test; ``--max-mb 1`` is ~40 documents: use e.g. 90,5,5).
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import sys
 import sysconfig
 
 import numpy as np
 import torch
+
+# mhc_testing (the shared third-party warning filters) is test support kept in the repository,
+# not in the installed package: import it from the repository root.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VOCAB_SIZE = 257  # bytes + end of document
 EOD = VOCAB_SIZE - 1
@@ -59,6 +65,9 @@ def main(argv=None):
     p.add_argument("prefix", help="output path without extension")
     p.add_argument("--max-mb", type=float, default=8.0, help="bytes of source to write")
     args = p.parse_args(argv)
+    from mhc_testing import warning_filters
+
+    warning_filters.install()  # Megatron's notices about missing TE/Apex: not about data
     docs, tokens = write_corpus(args.prefix, int(args.max_mb * 1e6))
     print(f"wrote {args.prefix}.bin/.idx: {docs} documents, {tokens} tokens (bytes + EOD={EOD})")
 

@@ -19,7 +19,24 @@ bytes (``examples/prepare_stdlib_corpus.py``, Megatron's ``NullTokenizer``), or 
 Without CUDA the script installs ``mhc_testing.cpu_training`` (CPU test support for
 CI and smoke runs, with gloo and Megatron's local modules: pass ``--transformer-impl local
 --no-persist-layer-norm --no-gradient-accumulation-fusion --distributed-backend gloo
---no-rope-fusion``); it is not a way to train.
+--no-rope-fusion --no-masked-softmax-fusion``, the last because with ``--bf16`` or ``--fp16``
+Megatron's softmax would run its fused CUDA kernel) and hides the third-party notices about
+missing CUDA, TE and Apex that the test-suite hides (``mhc_testing.warning_filters``); it is
+not a way to train. A smoke run on one CPU process (under a minute)::
+
+    python examples/prepare_stdlib_corpus.py out/data/stdlib_small --max-mb 1
+    torchrun --nproc-per-node=1 examples/pretrain_gpt_mhc.py --num-layers 2 \\
+        --hidden-size 64 --num-attention-heads 4 --seq-length 128 \\
+        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 4 \\
+        --train-iters 10 --lr 1e-3 --log-interval 1 --eval-interval 5 --eval-iters 1 \\
+        --data-path out/data/stdlib_small --split 90,5,5 --tokenizer-type NullTokenizer \\
+        --vocab-size 257 --transformer-impl local --no-persist-layer-norm \\
+        --no-gradient-accumulation-fusion --distributed-backend gloo --no-rope-fusion \\
+        --no-masked-softmax-fusion --enable-hyper-connections --num-residual-streams 4
+
+(``--split 90,5,5``: every split of the 1 MB corpus's 41 documents must hold one at least;
+Megatron's index builder loops forever on an empty split, e.g. the test split of 98,1,1.)
+``--help`` lists Megatron's flags, the "mHC" group and this script's own.
 """
 
 from __future__ import annotations
@@ -134,8 +151,9 @@ datasets_provider.is_distributed = True
 
 def main():
     if not torch.cuda.is_available():
-        from mhc_testing import cpu_training
+        from mhc_testing import cpu_training, warning_filters
 
+        warning_filters.install()  # before Megatron is imported
         cpu_training.install()
     skip_megatron_helper_build()
     from megatron.core.enums import ModelType

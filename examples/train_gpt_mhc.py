@@ -11,7 +11,9 @@ from Megatron-Core's own ``get_gpt_decoder_block_spec``, the mHC run from
 ``enable_hyper_connections=True, num_residual_streams=4``.
 
 Output: a progress bar per run, a loss table on stdout, and under ``--out``:
-``loss_curves.png`` (train and validation loss of both runs) and ``results.json``.
+``loss_curves.png`` (train and validation loss of both runs) and ``results.json``. Log
+records and warnings print above the progress bar; the third-party notices that the
+test-suite hides (``mhc_testing.warning_filters``) are hidden here too.
 
     python examples/train_gpt_mhc.py                 # CPU: a few minutes
     python examples/train_gpt_mhc.py --preset gpu    # default when CUDA is present
@@ -20,13 +22,16 @@ Output: a progress bar per run, a loss table on stdout, and under ``--out``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
+import logging
 import math
 import os
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,8 +52,12 @@ PRESETS = {
 }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None, extra_arguments=None, description=None):
+    """The demo's flags; ``extra_arguments(parser)`` adds a caller's own (examples/mhc_study.py
+    adds its group, so one parser sees every flag). Exact flag names only (no abbreviations,
+    as Megatron's parser): ``--seed`` is never taken for a longer flag."""
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model/run size; default: gpu when CUDA is available, else cpu")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -72,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--mhc-params", choices=("params", "fp32"), default="params",
                    help="storage of the mHC mapping parameters: the model's params_dtype "
                         "(mhc_params_dtype's default; bf16 with --precision bf16/fp8) or fp32")
+    if extra_arguments is not None:
+        extra_arguments(p)
     args = p.parse_args(argv)
     if args.precision == "fp8" and args.spec != "te":
         p.error("--precision fp8 needs --spec te (the fp8 GEMMs are Transformer Engine's)")
@@ -84,6 +95,51 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
+
+
+# -------------------------------------------------------------------------- console
+class _AboveProgressBars(logging.Handler):
+    """Prints log records with ``tqdm.write``: above the progress bars, never into one."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("[%(name)s] %(levelname)s: %(message)s"))
+
+    def emit(self, record):
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # logging's contract: report, never raise
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def console():
+    """The demo's console for the duration of the block: the third-party warnings and log
+    lines the test-suite hides are hidden (``mhc_testing.warning_filters``, installed before
+    Megatron is imported), and log records and the remaining warnings print with
+    ``tqdm.write``, on stdout with the progress bars. Logging and ``warnings.showwarning``
+    are restored on exit."""
+    from tqdm import tqdm
+
+    from mhc_testing import warning_filters
+
+    warning_filters.install()
+    handler, root = _AboveProgressBars(), logging.getLogger()
+    showwarning = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        tqdm.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip(),
+                   file=sys.stdout)
+
+    root.addHandler(handler)  # also makes mhc_megatron's stand-by stderr handler step aside
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = showwarning
+        root.removeHandler(handler)
 
 
 # ----------------------------------------------------------------------------- data
@@ -395,11 +451,21 @@ def plot(results: list[RunResult], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
-    from mhc_testing import warning_filters
+def mhc_params_label(args) -> str:
+    """Where the mHC mapping parameters are stored, for titles: ``--mhc-params``."""
+    if args.mhc_params == "fp32":
+        return "mHC mappings in fp32"
+    dtype = "bf16" if args.precision in ("bf16", "fp8") else "fp32"
+    return f"mHC mappings in {dtype} (params dtype)"
 
-    warning_filters.install()  # the same third-party filters as the test-suite
+
+def main(argv=None):
     args = parse_args(argv)
+    with console():
+        return _run(args)
+
+
+def _run(args):
     if args.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     os.makedirs(args.out, exist_ok=True)
@@ -419,7 +485,7 @@ def main(argv=None):
     print("\n" + table)
     title = (f"Megatron-Core GPT on Python stdlib bytes ({device_name}): residual vs mHC n={args.streams}\n"
              f"{args.layers}L x {args.hidden}, seq {args.seq}, batch {args.batch}, "
-             f"{args.spec} spec, {args.precision}, mHC params {args.mhc_params}")
+             f"{args.spec} spec, {args.precision}, {mhc_params_label(args)}")
     plot(results, os.path.join(args.out, "loss_curves.png"), title)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({"args": vars(args), "device": device_name,

@@ -40,3 +40,17 @@ def test_smoke_study_records_diagnostics_and_reports(tmp_path):
 def test_bad_variant_is_refused_before_training(tmp_path):
     proc = _run("--preset", "smoke", "--out", str(tmp_path), "--variants", "x=colour:red")
     assert proc.returncode != 0 and "unknown key 'colour'" in proc.stdout
+
+
+def test_parser_takes_exact_names_only():
+    """--seed is the demo's seed (never an abbreviation of --seeds), both keep their values,
+    and an abbreviation of a study flag is refused rather than guessed."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import mhc_study
+
+    args = mhc_study.parse_args(["--seeds", "2", "--seed", "4242", "--preset", "smoke"])
+    assert (args.seeds, args.seed) == (2, 4242)
+    args = mhc_study.parse_args(["--seed", "7", "--preset", "smoke"])
+    assert (args.seeds, args.seed) == (3, 7)
+    with pytest.raises(SystemExit):
+        mhc_study.parse_args(["--seed", "7", "--variant", "baseline"])

@@ -140,3 +140,89 @@ def test_config_container_style(megatron_single_rank):
     pos = torch.arange(32).expand(2, 32)
     mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), 1)[None, None]
     assert model(ids, pos, mask).shape == (2, 32, 128)
+
+
+def test_sequence_parallel_with_local_norms_is_a_clear_error(monkeypatch, megatron_single_rank):
+    """--tensor-model-parallel-size 2 --sequence-parallel with Megatron's local modules: its
+    torch norm refuses SP (the baseline fails the same, with an AssertionError); the spec
+    says why and what to do instead."""
+    import megatron.training.arguments as megatron_arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asks for it with TP > 1
+    if not torch.cuda.is_available():  # TP > 1 asks for the GPU architecture
+        monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    args = _args("--enable-hyper-connections", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", monkeypatch=monkeypatch)
+    model_cfg = mhc_gpt_model_config_from_args(args)
+    assert model_cfg.transformer.sequence_parallel
+    with pytest.raises(ValueError, match=r"--sequence-parallel.*WrappedTorchNorm.*Fix: install "
+                       r"Transformer Engine.*--transformer-impl transformer_engine.*or drop "
+                       r"--sequence-parallel"):
+        mhc_block_spec(model_cfg)
+
+
+def test_sequence_parallel_check_accepts_norms_that_support_it(megatron_single_rank):
+    """The check looks at the norms the spec really builds: a spec whose norms support SP (the
+    tests' CPU stand-in for TE's) passes; so does Megatron's torch norm without SP."""
+    from helpers import sequence_parallel_capable_spec, tiny_config
+
+    from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+    from mhc_megatron.specs.gpt import check_sequence_parallel_norms
+
+    sp = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    check_sequence_parallel_norms(sp, sequence_parallel_capable_spec(sp))
+    local = get_gpt_decoder_block_with_mhc_spec(sp, use_transformer_engine=False)
+    check_sequence_parallel_norms(tiny_config(), local)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        check_sequence_parallel_norms(sp, local)
+
+
+def _megatron_parser():
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+def test_help_repair_touches_only_the_known_action():
+    """Megatron-Core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda holds a bare
+    '%', so argparse's --help raises ValueError; add_mhc_arguments escapes it there and
+    changes no other help string."""
+    import megatron.core
+
+    from mhc_megatron.training.arguments import KNOWN_UNFORMATTABLE_HELP
+
+    parser = _megatron_parser()
+    before = [(action, action.help) for action in parser._actions]
+    known = KNOWN_UNFORMATTABLE_HELP.get(megatron.core.__version__.split("+")[0], ())
+    if known:
+        with pytest.raises(ValueError, match="unsupported format character"):
+            parser.format_help()
+    add_mhc_arguments(parser)
+    changed = {a.option_strings[0]: text for a, text in before if a.help != text}
+    assert sorted(changed) == sorted(known)
+    for option, text in changed.items():
+        assert text.count("%") == 1 and parser._option_string_actions[option].help == \
+            text.replace("%", "%%")
+    text = " ".join(parser.format_help().split())
+    assert "Magnitude is headroom (e.g. 1.10 = 10%)." in text or not known
+
+
+def test_help_repair_safety_net_escapes_only_bare_percent():
+    """Any action whose help argparse cannot format is repaired, whatever the release:
+    bare '%' doubled; '%%' and %(default)s placeholders kept; formattable helps untouched."""
+    import argparse
+
+    from mhc_megatron.training.arguments import repair_help_strings
+
+    parser = argparse.ArgumentParser(prog="p")
+    parser.add_argument("--ratio", default=7, help="at most 50% (default %(default)s, 100%%)")
+    parser.add_argument("--fine", default=3, help="fine: %(default)s")
+    parser.add_argument("--unknown-key", help="%(nonexistent)s and 5%")
+    assert repair_help_strings(parser) == ["--ratio", "--unknown-key"]
+    text = " ".join(parser.format_help().split())
+    assert "at most 50% (default 7, 100%)" in text and "fine: 3" in text
+    assert "%(nonexistent)s and 5%" in text
+    assert repair_help_strings(parser) == []  # idempotent

@@ -14,6 +14,7 @@ final norm, which cannot take the ``[s, b, n*C]`` streams.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from typing import Optional
 
@@ -44,6 +45,52 @@ TE_MISSING = (
 def _require_transformer_engine() -> None:
     if importlib.util.find_spec("transformer_engine") is None:
         raise ImportError(TE_MISSING)
+
+
+def _torch_norms_in(spec, seen=None) -> bool:
+    """Whether ``spec`` (a block/layer spec, a submodules dataclass, a partial, ...) builds
+    Megatron's torch fallback norm ``WrappedTorchNorm`` anywhere."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    seen = set() if seen is None else seen
+    if id(spec) in seen:
+        return False
+    seen.add(id(spec))
+    if isinstance(spec, type):
+        return issubclass(spec, WrappedTorchNorm)
+    if isinstance(spec, ModuleSpec):
+        parts = [spec.module, spec.submodules, *spec.params.values()]
+    elif isinstance(spec, functools.partial):
+        parts = [spec.func, *spec.args, *spec.keywords.values()]
+    elif dataclasses.is_dataclass(spec):
+        parts = [getattr(spec, f.name) for f in dataclasses.fields(spec)]
+    elif isinstance(spec, (list, tuple)):
+        parts = list(spec)
+    elif isinstance(spec, dict):
+        parts = list(spec.values())
+    else:
+        return False
+    return any(_torch_norms_in(part, seen) for part in parts)
+
+
+def check_sequence_parallel_norms(config: TransformerConfig, spec) -> None:
+    """Refuse ``config.sequence_parallel`` when ``spec`` builds Megatron's torch fallback
+    norm (``WrappedTorchNorm``), which asserts when it is built with sequence parallelism.
+
+    Megatron's local modules use that norm for RMSNorm, and for LayerNorm where Apex is not
+    installed (with Apex: its ``FusedLayerNorm``, which supports sequence parallelism);
+    Transformer Engine's norms support it. A spec whose norms were replaced by ones that
+    support sequence parallelism passes.
+    """
+    if getattr(config, "sequence_parallel", False) and _torch_norms_in(spec):
+        raise ValueError(
+            "sequence_parallel (--sequence-parallel) needs norms that support it, but this "
+            "spec builds Megatron's torch norm WrappedTorchNorm, which refuses it: Megatron's "
+            "local modules (--transformer-impl local, use_transformer_engine=False) use it for "
+            "RMSNorm, and for LayerNorm where Apex is not installed (Megatron's own GPT spec "
+            "fails the same). Fix: install Transformer Engine and use its spec "
+            "(--transformer-impl transformer_engine, use_transformer_engine=True), or drop "
+            "--sequence-parallel (sequence_parallel=False).")
 
 
 def to_mhc_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:

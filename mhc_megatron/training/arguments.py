@@ -6,19 +6,32 @@ copies every args attribute named like a config field); defaults are the config'
 Megatron-LM's in-tree mHC spellings are accepted too, so its users can switch without edits:
 ``--enable-mhc-connections``, ``--mhc-num-residual-streams`` and ``mhc`` in
 ``--recompute-modules`` (see :func:`apply_mhc_argument_aliases`).
+
+:func:`add_mhc_arguments` also repairs help strings of Megatron's own flags that argparse
+cannot format (:func:`repair_help_strings`), so ``--help`` of a script using it works.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import torch
 
-from mhc_megatron.config import KERNEL_BACKENDS, MHCTransformerConfig
+from mhc_megatron.config import MHCTransformerConfig
+from mhc_megatron.kernels import KERNEL_BACKENDS
 
 MHC_RECOMPUTE_MODULE = "mhc"  # Megatron-LM's in-tree name in --recompute-modules
 _PARAMS_DTYPES = {"fp32": torch.float32, "params": None}
+
+# Megatron-Core's own flags whose help holds a bare '%' (argparse %-formats every help string
+# for ``--help``, which then raises ValueError), per megatron-core release.
+KNOWN_UNFORMATTABLE_HELP = {
+    "0.19.2": ("--moe-paged-stash-buffer-size-factor-cuda",),  # "(e.g. 1.10 = 10%)."
+}
+# '%%' and '%(name)' stay; any other '%' is bare.
+_PERCENT_TOKEN = re.compile(r"%%|%\(\w+\)|%")
 
 
 def _default(field: str):
@@ -33,9 +46,62 @@ def _params_dtype(value: str):
             f"--mhc-params-dtype: {value!r} is not one of {sorted(_PARAMS_DTYPES)}") from None
 
 
+def _megatron_release() -> str:
+    """``megatron.core.__version__`` without a local part (``0.19.2+abc`` -> ``0.19.2``)."""
+    import megatron.core
+
+    return str(getattr(megatron.core, "__version__", "")).split("+")[0]
+
+
+def _help_formats(parser: argparse.ArgumentParser, action: argparse.Action) -> bool:
+    """Whether argparse can expand ``action.help`` (what ``--help`` does for every flag)."""
+    if not action.help or action.help is argparse.SUPPRESS:
+        return True
+    try:
+        parser._get_formatter()._expand_help(action)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+def _escape_bare_percent(text: str) -> str:
+    """``text`` with every bare '%' doubled; '%%' and '%(name)...' placeholders kept."""
+    return _PERCENT_TOKEN.sub(lambda m: "%%" if m.group(0) == "%" else m.group(0), text)
+
+
+def repair_help_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Escape the bare '%' of help strings that argparse cannot format, so that ``--help``
+    works; returns the first option string of every action repaired.
+
+    The flags known for the installed megatron-core release
+    (:data:`KNOWN_UNFORMATTABLE_HELP`) are repaired by name; then, as a safety net for other
+    releases and parsers, any action whose help still fails to format. Only such actions
+    change, and in them only the bare '%' (``%%`` and ``%(default)s``-style placeholders stay).
+    """
+    def repair(action: argparse.Action) -> None:
+        action.help = _escape_bare_percent(action.help)
+        if not _help_formats(parser, action):  # a placeholder argparse does not know
+            action.help = action.help.replace("%(", "%%(")
+        repaired.append(action.option_strings[0] if action.option_strings else action.dest)
+
+    repaired: list[str] = []
+    by_option = {option: a for a in parser._actions for option in a.option_strings}
+    for option in KNOWN_UNFORMATTABLE_HELP.get(_megatron_release(), ()):
+        action = by_option.get(option)
+        if action is not None and not _help_formats(parser, action):
+            repair(action)
+    for action in parser._actions:
+        if not _help_formats(parser, action):
+            repair(action)
+    return repaired
+
+
 def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the mHC flags to Megatron's parser; returns it (``extra_args_provider`` contract)."""
-    g = parser.add_argument_group("mHC (manifold-constrained hyper-connections, mhc-megatron)")
+    """Add the mHC flags to Megatron's parser, as the argument group "mHC"; returns it
+    (``extra_args_provider`` contract). Also :func:`repair_help_strings`, so ``--help`` works."""
+    g = parser.add_argument_group(
+        "mHC", "Manifold-constrained hyper-connections (mhc-megatron): n residual streams "
+               "mixed by learned, doubly stochastic H_res.")
     g.add_argument("--enable-hyper-connections", "--enable-mhc-connections",
                    dest="enable_hyper_connections", action="store_true",
                    help="Turn mHC on: n residual streams mixed by doubly stochastic H_res.")
@@ -74,6 +140,7 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "or fp32 (kept fp32 in a bf16/fp16 run; Megatron's optimisers need "
                         "mhc_megatron.training.fp32_params to checkpoint them, which "
                         "examples/pretrain_gpt_mhc.py applies).")
+    repair_help_strings(parser)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+from mhc_megatron.specs.gpt import check_sequence_parallel_norms
 
 
 def mhc_block_spec(model_cfg, vp_stage=None):
@@ -13,7 +14,8 @@ def mhc_block_spec(model_cfg, vp_stage=None):
     ``num_moe_experts`` / ``moe_layer_freq``, Transformer Engine modules when
     ``transformer_impl == "transformer_engine"``, local ones otherwise) with mHC layers and a
     stream-contracting final norm. Also usable as ``--spec mhc_megatron.training
-    mhc_block_spec``.
+    mhc_block_spec``. ``--sequence-parallel`` with norms that refuse it (Megatron's torch
+    norm, e.g. ``--transformer-impl local`` without Apex) is a ValueError that names the fix.
     """
     tc = model_cfg.transformer
     unsupported = [name for name in ("experimental_attention_variant", "heterogeneous_block_specs")
@@ -23,6 +25,8 @@ def mhc_block_spec(model_cfg, vp_stage=None):
             f"mhc_block_spec: {', '.join(unsupported)} is not supported with hyper-connections. "
             "Fix: use the standard GPT layers (unset it) or build the block spec yourself with "
             "mhc_megatron.specs.with_mhc_block_spec.")
-    return get_gpt_decoder_block_with_mhc_spec(
+    block = get_gpt_decoder_block_with_mhc_spec(
         tc, use_transformer_engine=tc.transformer_impl == "transformer_engine",
         normalization=tc.normalization, qk_l2_norm=tc.qk_l2_norm, vp_stage=vp_stage)
+    check_sequence_parallel_norms(tc, block)
+    return block

@@ -1,0 +1,62 @@
+"""The examples' command lines and console output: ``--help`` works, Megatron's flags and
+ours (the "mHC" group) are listed, and the demo prints our lines and Megatron's essential
+ones, with log lines above the progress bar, not in it."""
+
+from __future__ import annotations
+
+import re
+import sys
+from types import SimpleNamespace
+
+from helpers import ROOT, child_env, run_child
+
+EXAMPLES = ROOT / "examples"
+
+
+def _quiet_env() -> dict:
+    """A CPU child's environment with Python's warnings as a user gets them (child_env turns
+    them off)."""
+    env = child_env(cpu_only=True)
+    env.pop("PYTHONWARNINGS")
+    return env
+
+
+def test_pretrain_help_lists_the_mhc_group():
+    proc = run_child([sys.executable, str(EXAMPLES / "pretrain_gpt_mhc.py"), "--help"],
+                     _quiet_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    out = proc.stdout
+    assert out.startswith("usage: pretrain_gpt_mhc.py"), out[:2000]  # no notices before it
+    group = out[out.index("\nmHC:\n"):]
+    for flag in ("--enable-hyper-connections", "--num-residual-streams",
+                 "--mhc-sinkhorn-iterations", "--mhc-kernel-backend", "--mhc-params-dtype"):
+        assert flag in group, flag
+    assert "\npretrain_gpt_mhc.py:\n" in out and "--log-micro-batch-loss" in out
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in out  # Megatron's flags too
+
+
+def test_demo_output_is_ours_and_megatrons_essential_lines(tmp_path):
+    """No third-party notices; Megatron's GPTModel deprecation once (two models are built);
+    the kernel-backend line starts a line of its own, above the progress bar."""
+    proc = run_child([sys.executable, str(EXAMPLES / "train_gpt_mhc.py"), "--preset", "smoke",
+                      "--corpus-mb", "2", "--out", str(tmp_path)], _quiet_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    segments = re.split(r"[\r\n]", proc.stdout)
+    assert segments[0].startswith("corpus: "), proc.stdout[:2000]
+    assert "Warning" not in proc.stdout and "warnings.warn" not in proc.stdout, proc.stdout
+    assert "No CUDA runtime" not in proc.stdout
+    assert proc.stdout.count("GPTModel IS DEPRECATED") == 1
+    backend = [s for s in segments if "mhc_kernel_backend='auto'" in s]
+    assert len(backend) == 1 and backend[0].lstrip().startswith("[mhc_megatron.kernels.dispatch]")
+    assert "mHC - baseline final val loss" in proc.stdout
+
+
+def test_demo_plot_title_names_the_mapping_storage():
+    sys.path.insert(0, str(EXAMPLES))
+    import train_gpt_mhc
+
+    label = train_gpt_mhc.mhc_params_label
+    assert label(SimpleNamespace(mhc_params="fp32", precision="bf16")) == "mHC mappings in fp32"
+    assert label(SimpleNamespace(mhc_params="params", precision="bf16")) == \
+        "mHC mappings in bf16 (params dtype)"
+    assert "params params" not in label(SimpleNamespace(mhc_params="params", precision="fp32"))
