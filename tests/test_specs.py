@@ -147,3 +147,16 @@ def test_block_spec_with_plain_config_warns(seeded):
     with pytest.warns(UserWarning, match="no hyper-connections. Fix: build the config with "
                       "mhc_megatron.config.MHCTransformerConfig"):
         build_gpt(cfg)
+
+
+def test_sequence_parallel_with_torch_norms_is_a_clear_error_at_build(seeded):
+    """Megatron's local norm refuses sequence parallelism with a bare assertion; an mHC layer
+    built from the local spec by hand (no megatron.training) says what to do instead."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    cfg = tiny_config()
+    cfg.sequence_parallel = True  # as with TP > 1 (the config refuses SP at TP=1 when built)
+    with pytest.raises(ValueError, match=r"sequence_parallel \(--sequence-parallel\) needs norms "
+                       r"that support it.*WrappedTorchNorm.*Fix: install Transformer Engine"):
+        build_module(get_gpt_layer_with_mhc_local_spec(normalization="RMSNorm"), config=cfg,
+                     layer_number=1)

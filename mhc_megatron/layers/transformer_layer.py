@@ -59,6 +59,15 @@ from mhc_megatron.recompute.manager import manager_for
 logger = logging.getLogger(__name__)
 _said_mhc_off = False
 
+SEQUENCE_PARALLEL_NORM_ERROR = (
+    "sequence_parallel (--sequence-parallel) needs norms that support it, but this spec builds "
+    "Megatron's torch norm WrappedTorchNorm, which refuses it: Megatron's local modules "
+    "(--transformer-impl local, use_transformer_engine=False) use it for RMSNorm, and for "
+    "LayerNorm where Apex is not installed (Megatron's own GPT spec fails the same). Fix: "
+    "install Transformer Engine and use its spec (--transformer-impl transformer_engine, "
+    "use_transformer_engine=True), or drop --sequence-parallel (sequence_parallel=False)."
+)
+
 BLOCK_SPEC_FIX = (
     "Fix: pass the decoder *block* spec, e.g. GPTModel(config, "
     "get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=...), ...), or "
@@ -131,7 +140,12 @@ class HyperConnectionTransformerLayer(TransformerLayer):
     """
 
     def __init__(self, config, submodules: TransformerLayerSubmodules, *args, **kwargs):
-        super().__init__(config, submodules, *args, **kwargs)
+        try:
+            super().__init__(config, submodules, *args, **kwargs)
+        except AssertionError as error:  # Megatron's WrappedTorchNorm under sequence parallel
+            if "sequence parallel not supported" in str(error):
+                raise ValueError(SEQUENCE_PARALLEL_NORM_ERROR) from error
+            raise
         self.mhc_enabled = hyper_connections_enabled(config)
         if not self.mhc_enabled:
             _say_mhc_is_off(config)

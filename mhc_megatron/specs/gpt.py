@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mhc_megatron.layers.streams import StreamContractingNorm
 from mhc_megatron.layers.transformer_layer import (
+    SEQUENCE_PARALLEL_NORM_ERROR,
     HyperConnectionTransformerLayer,
     HyperConnectionTransformerLayerSubmodules,
 )
@@ -83,14 +84,7 @@ def check_sequence_parallel_norms(config: TransformerConfig, spec) -> None:
     support sequence parallelism passes.
     """
     if getattr(config, "sequence_parallel", False) and _torch_norms_in(spec):
-        raise ValueError(
-            "sequence_parallel (--sequence-parallel) needs norms that support it, but this "
-            "spec builds Megatron's torch norm WrappedTorchNorm, which refuses it: Megatron's "
-            "local modules (--transformer-impl local, use_transformer_engine=False) use it for "
-            "RMSNorm, and for LayerNorm where Apex is not installed (Megatron's own GPT spec "
-            "fails the same). Fix: install Transformer Engine and use its spec "
-            "(--transformer-impl transformer_engine, use_transformer_engine=True), or drop "
-            "--sequence-parallel (sequence_parallel=False).")
+        raise ValueError(SEQUENCE_PARALLEL_NORM_ERROR)
 
 
 def to_mhc_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
