@@ -26,7 +26,7 @@ import torch
 
 # mhc_testing (the shared third-party warning filters) is test support kept in the repository,
 # not in the installed package: import it from the repository root.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 VOCAB_SIZE = 257  # bytes + end of document
 EOD = VOCAB_SIZE - 1

@@ -39,7 +39,7 @@ import torch
 
 # mhc_testing (CPU shims, warning filters) is test support kept in the repository, not in the
 # installed package: import it from the repository root.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 PRESETS = {
     # layers, hidden, heads, seq, batch, steps, lr, eval_every
