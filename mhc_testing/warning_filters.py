@@ -40,6 +40,9 @@ KNOWN_NOISE = (
      r"torch\.distributed\.checkpoint"),
     (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning,
      r"torch\.distributed"),
+    # TE (where installed) on a host that also has Jax but not TE's Jax extension.
+    (r"Detected a Jax installation but could not find the shared object file", RuntimeWarning,
+     r"transformer_engine"),
     # Megatron's data loaders ask for pinned memory, which a machine without a GPU lacks.
     (r"'pin_memory' argument is set as true but no accelerator is found", UserWarning,
      r"torch\.utils\.data"),
