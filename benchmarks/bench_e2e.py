@@ -105,7 +105,7 @@ CONFIGS = {
     "dense": dict(layers=8, hidden=4096, ffn=11008, heads=32, seq=4096, mbs=1),
     "moe": dict(layers=8, hidden=2048, ffn=1408, heads=16, seq=4096, mbs=1, experts=64, topk=6,
                 shared=2816),
-    # the issue's range at its wide end: more device work a layer against the same one host
+    # a wide MoE (hidden 4096, 16 experts top-2): more device work a layer against the same one host
     # sync a layer of the dispatcher, so a 2% difference can stand out of the host's noise
     # 6 layers: --interleave holds its three runs' models (4.4B parameters each, bf16
     # weights and grads: 49 GiB together; 8 layers would take 65) and a step's activations on

@@ -224,8 +224,8 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
             "mlp" in (config.recompute_modules or []):
         _fail("recompute_modules", "'mlp' selective recompute with mhc_recompute=True is not "
               "supported: Megatron checkpoints the MLP with its reentrant CheckpointFunction, "
-              "whose backward recursed without end in our tests (already for a plain Megatron "
-              "model on CPU), so the combination cannot be verified",
+              "whose backward recurses without end on CPU even for a plain Megatron model, so the "
+              "combination cannot be verified",
               "drop 'mlp' from recompute_modules (keep 'core_attn', 'layernorm', 'moe', "
               "'moe_act', ...) or set mhc_recompute=False")
     if config.apply_residual_connection_post_layernorm:
