@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -121,6 +124,14 @@ TINY_GPT_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
 LOCAL_MODULE_FLAGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion",
                       "--no-persist-layer-norm", "--no-rope-fusion", "--no-masked-softmax-fusion",
                       "--no-bias-dropout-fusion"]
+# On CPU ranks only (GPU runs keep Megatron's defaults): Megatron's fused SwiGLU is a
+# torch.compile'd function (Inductor generates, builds and loads C++ in every new process),
+# and each data split forks its own loader workers. Both cost seconds a launch and neither is
+# what a test checks: the loader gives the same batches in the same order in the main
+# process, and eager SwiGLU computes what the compiled one does, rounding a loss at most one
+# float32 ulp apart (tests/golden/pretrain_cpu_losses.json, rtol 1e-5, holds either way).
+# Runs that a test compares with each other all take the same flags.
+CPU_LAUNCH_FLAGS = ["--no-bias-swiglu-fusion", "--num-workers", "0"]
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -161,3 +172,201 @@ def run_child(cmd, env: dict, timeout: int) -> subprocess.CompletedProcess:
     out = finish(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
+
+class Background:
+    """A child process started now (:func:`start`) whose output a thread reads as it comes,
+    so that several can run at once (an unread pipe would stop a child once it fills).
+    :meth:`wait` gives what :func:`run_child` gives; :meth:`kill` stops one never waited for."""
+
+    def __init__(self, cmd, env: dict):
+        self.cmd, self.proc, self.output = cmd, start(cmd, env), ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        self.output = self.proc.stdout.read()
+
+    def wait(self, timeout: int) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout} s:\n{self.output[-4000:]}")
+        self._reader.join()
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, self.output, "")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join()
+
+
+# Hosts without CUDA and without Transformer Engine (CI) start the ranks of a launch with
+# tests/distributed/fork_ranks.py: torch and Megatron imported once for the whole session, the
+# ranks forked from there (seconds less a launch on CPU ranks); other hosts with torchrun.
+# MHC_TEST_LAUNCHER=torchrun takes torchrun everywhere.
+FORK_RANKS = (not torch.cuda.is_available() and not HAVE_TE
+              and os.environ.get("MHC_TEST_LAUNCHER") != "torchrun")
+FORK_RANKS_SCRIPT = ROOT / "tests" / "distributed" / "fork_ranks.py"
+# What the launched scripts import (Megatron-Core's models, schedules, optimisers and
+# checkpoints; Megatron's training loop), for the fork server to import once
+FORK_PRELOAD = ("torch", "megatron.core", "megatron.core.models.gpt",
+                "megatron.core.pipeline_parallel", "megatron.core.distributed",
+                "megatron.core.optimizer", "megatron.core.dist_checkpointing",
+                "megatron.training.training", "megatron.training.arguments",
+                "megatron.training.initialize", "megatron.core.datasets.gpt_dataset",
+                "megatron.core.datasets.blended_megatron_dataset_builder")
+
+
+def ranks_cmd(nproc: int, script, *args: str) -> list[str]:
+    """The command of one launch of ``script args`` on ``nproc`` ranks with torchrun's
+    variables: torchrun, or (:data:`FORK_RANKS`) fork_ranks.py on its own."""
+    if FORK_RANKS:
+        return [sys.executable, str(FORK_RANKS_SCRIPT), "--preload", ",".join(FORK_PRELOAD),
+                str(nproc), str(script), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(script), *args]
+
+
+def start_ranks(nproc: int, script, *args: str, env: dict):
+    """``script args`` on ``nproc`` ranks, started now: on a :data:`FORK_RANKS` host by the
+    session's fork server (its own launch where the server refuses ``env``), else torchrun.
+    The result has ``wait(timeout) -> CompletedProcess`` and ``kill()``, as :class:`Background`."""
+    if FORK_RANKS:
+        launch = _fork_server().submit(nproc, [str(script), *args], env)
+        if launch is not None:
+            return launch
+    return Background(ranks_cmd(nproc, script, *args), env)
+
+
+def run_ranks(nproc: int, script, *args: str, env: dict,
+              timeout: int) -> subprocess.CompletedProcess:
+    """:func:`start_ranks`, to its end: the exit code and the output."""
+    return start_ranks(nproc, script, *args, env=env).wait(timeout)
+
+
+class _ServedLaunch:
+    """A launch that the fork server started (a process group of its own, output to a file)."""
+
+    def __init__(self, server: "_ForkServer", ident: str, pid: int, out: str, cmd):
+        self.server, self.ident, self.pid, self.out, self.cmd = server, ident, pid, out, cmd
+
+    def _output(self) -> str:
+        with open(self.out, errors="replace") as f:
+            return f.read()
+
+    def wait(self, timeout: int) -> subprocess.CompletedProcess:
+        code = self.server.wait_done(self.ident, timeout)
+        if code is None:
+            self.kill()
+            pytest.fail(f"timed out after {timeout} s:\n{self._output()[-4000:]}")
+        out = self._output()
+        os.remove(self.out)
+        return subprocess.CompletedProcess(self.cmd, code, out, "")
+
+    def kill(self):
+        if self.server.wait_done(self.ident, 0) is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.server.wait_done(self.ident, 30)
+
+
+class _ForkServer:
+    """tests/distributed/fork_ranks.py --serve, started at the first launch of a session (it
+    imports :data:`FORK_PRELOAD` once) and ended when the session's process exits. Started
+    with ``child_env(cpu_only=True)``: it serves the launches whose environment adds
+    to that one (see fork_ranks.py)."""
+
+    def __init__(self):
+        import atexit
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="mhc-fork-server-")
+        self.log = open(os.path.join(self.dir, "server.log"), "w")
+        cmd = [sys.executable, str(FORK_RANKS_SCRIPT), "--preload", ",".join(FORK_PRELOAD),
+               "--serve"]
+        env = {k: v for k, v in child_env(cpu_only=True).items()
+               if not k.startswith("PYTEST_")}  # pytest's (PYTEST_CURRENT_TEST) change a test
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=env, cwd=ROOT, start_new_session=True)
+        self.replies: dict[str, dict[str, str]] = {}
+        self.alive, self.count = True, 0
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        atexit.register(self.close)
+
+    def _read(self):
+        for raw in self.proc.stdout:
+            kind, ident, rest = (raw.decode().rstrip("\n").split(" ", 2) + [""])[:3]
+            with self.changed:
+                self.replies.setdefault(ident, {})[kind] = rest
+                self.changed.notify_all()
+        with self.changed:
+            self.alive = False
+            self.changed.notify_all()
+
+    def _reply(self, ident: str, kinds: tuple[str, ...], timeout: float):
+        with self.changed:
+            self.changed.wait_for(lambda: not self.alive or any(
+                k in self.replies.get(ident, {}) for k in kinds), timeout)
+            got = self.replies.get(ident, {})
+            return next(((k, got[k]) for k in kinds if k in got), None)
+
+    def submit(self, nproc: int, argv: list[str], env: dict):
+        """Start a launch; None where the server refuses it or is gone."""
+        with self.changed:
+            if not self.alive:
+                return None
+            self.count += 1
+            ident = str(self.count)
+        out = os.path.join(self.dir, f"launch{ident}.out")
+        request = {"id": ident, "nproc": nproc, "argv": argv, "env": env, "out": out}
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        reply = self._reply(ident, ("STARTED", "REFUSED"), 300)
+        if reply is None or reply[0] != "STARTED":
+            why = reply[1] if reply else "no answer; its log ends:\n" + self._log_tail()
+            print(f"fork server: {why}\n(the launch runs on its own)", file=sys.stderr)
+            return None
+        cmd = [str(FORK_RANKS_SCRIPT), str(nproc), *argv]
+        return _ServedLaunch(self, ident, int(reply[1]), out, cmd)
+
+    def _log_tail(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-3000:]
+
+    def wait_done(self, ident: str, timeout: float):
+        """The launch's exit code, or None if it has not ended within ``timeout`` s."""
+        reply = self._reply(ident, ("DONE",), timeout)
+        if reply is None and not self.alive:
+            return -1
+        return None if reply is None else int(reply[1])
+
+    def close(self):
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the server stops what still runs and exits
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_SERVER: _ForkServer | None = None
+
+
+def _fork_server() -> _ForkServer:
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = _ForkServer()
+    return _SERVER

@@ -10,10 +10,10 @@ GPUs are visible: there the all-gathers are truly asynchronous), buckets of a fe
 (the mapping parameters in bucket groups of their own, so nothing else waits for them): three
 steps with the overlap give the losses and parameters of three steps without it, bit for bit
 (the gradients' reduce-scatter is not overlapped in either run: only the parameters'
-all-gather differs). (Before ``pre`` ran through the module call, the mapping parameters'
-all-gathers were dispatched and never waited for, and Megatron asserted at the next step's
-dispatch; with larger buckets ``pre`` could read another rank's shard of the mapping
-parameters before its new values had arrived.)
+all-gather differs). A ``pre`` that read the mapping parameters outside the module call
+would leave their all-gathers dispatched and never waited for (Megatron asserts at the next
+step's dispatch), and with larger buckets it could read another rank's shard of the mapping
+parameters before the new values arrive.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers import child_env, run_child  # noqa: E402
+from helpers import child_env, run_ranks  # noqa: E402
 
 THIS = Path(__file__).resolve()
 STEPS = 3
@@ -41,9 +41,7 @@ STEPS = 3
     pytest.param("cuda", marks=pytest.mark.skipif(
         torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"))])
 def test_overlap_param_gather_equals_synchronous_gather(device):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(THIS)]
-    run = run_child(cmd, child_env(cpu_only=device == "cpu", MHC_DIST_DEVICE=device),
+    run = run_ranks(2, THIS, env=child_env(cpu_only=device == "cpu", MHC_DIST_DEVICE=device),
                     timeout=300)
     assert run.returncode == 0 and "PARAM GATHER CHECKS PASSED" in run.stdout, \
         run.stdout[-6000:]
@@ -114,7 +112,7 @@ def _main() -> None:
     assert sync_calls == calls == 4 * STEPS, (sync_calls, calls)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        import mhc_megatron  # which copy ran (a mutant's run must name the mutant)
+        import mhc_megatron  # which copy of the package ran (e.g. a mutated copy under test)
 
         print(f"PARAM GATHER CHECKS PASSED ({device}, losses {[x.item() for x in losses]}, "
               f"package {Path(mhc_megatron.__file__).parent})", flush=True)

@@ -1,4 +1,6 @@
-"""Multi-rank equivalence tests: each launches a script of ``tests/distributed/`` with torchrun.
+"""Multi-rank equivalence tests: each launches a script of ``tests/distributed/`` on 2 or 4
+ranks (``helpers.start_ranks``: torchrun, or on a host without CUDA and TE ranks forked from a
+process that imported torch and Megatron once).
 
 Set-ups (``tests/distributed/harness.py``):
 - ``cpu``: 2 CPU ranks over gloo with the reference ops (CI; also on a GPU host);
@@ -12,11 +14,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import pytest
 import torch
-from helpers import HAVE_TE, child_env, run_child
+from helpers import HAVE_TE, child_env, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,9 +37,8 @@ ENV = {"cpu": {"MHC_DIST_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""},
 
 
 def _torchrun(script: str, setup: str, *args: str, timeout: int = 600, nproc: int = 2) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--standalone", os.path.join(HERE, "distributed", script), *args]
-    run = run_child(cmd, child_env(**ENV[setup]), timeout)
+    run = run_ranks(nproc, os.path.join(HERE, "distributed", script), *args,
+                    env=child_env(**ENV[setup]), timeout=timeout)
     assert run.returncode == 0, f"{script} [{setup}] failed (rc={run.returncode}):\n{run.stdout[-6000:]}"
     print("\n".join(line for line in run.stdout.splitlines() if line.startswith("PASS")))
     return run.stdout

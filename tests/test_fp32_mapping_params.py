@@ -2,11 +2,12 @@
 Megatron-Core 0.19.2's optimisers and checkpoints, with
 :mod:`mhc_megatron.training.fp32_params`.
 
-Every check runs in fresh ``torchrun`` processes: on CPU ranks over gloo (the CUDA-to-CPU
-shims of ``mhc_testing.cpu_training`` are process-wide, so they stay out of the
-pytest process), and the training-loop check also on one GPU over NCCL (float16 optimiser;
-the distributed one where TE or Apex is installed). This file is also the script those
-processes run:
+Every check runs in fresh ranks (``helpers.start_ranks``: torchrun, or on a host without
+CUDA and TE forked from a process that imported torch and Megatron once): on CPU ranks over
+gloo (the CUDA-to-CPU shims of ``mhc_testing.cpu_training`` are process-wide, so they stay
+out of the pytest process), and the training-loop check also on one GPU over NCCL (float16
+optimiser; the distributed one where TE or Apex is installed). This file is also the script
+those processes run:
 
 * ``pretrain ARGS``: ``examples/pretrain_gpt_mhc.py`` (Megatron's own training loop) inside
   :func:`~mhc_megatron.training.fp32_params.fp32_params_in_megatron_training`; it saves the
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, needs_fused_adam,
-                     run_child)
+from helpers import (CPU_LAUNCH_FLAGS, LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env,
+                     needs_fused_adam, run_ranks)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,7 +48,7 @@ TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2",
 # CPU ranks over gloo; one GPU over NCCL with Megatron's local modules (also where TE is
 # installed: the same modules both ways) and the Triton kernels.
 BACKEND = {"cpu": [*LOCAL_MODULE_FLAGS, "--distributed-backend", "gloo",
-                   "--use-cpu-initialization"],
+                   "--use-cpu-initialization", *CPU_LAUNCH_FLAGS],
            "cuda": LOCAL_MODULE_FLAGS}
 # Megatron 0.19.2's distributed optimiser does not resume without TE's or Apex's Adam (so
 # never on CPU ranks; see _Core below).
@@ -59,9 +60,9 @@ FP32_MHC = ["--enable-hyper-connections", "--num-residual-streams", "4", "--bf16
 
 
 def _torchrun(args, nproc=1, timeout=300, device="cpu", **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(THIS), *args]
-    run = run_child(cmd, child_env(cpu_only=device == "cpu", **env), timeout)
+    """This file as the script of ``nproc`` ranks (``helpers.start_ranks``)."""
+    run = run_ranks(nproc, THIS, *args, env=child_env(cpu_only=device == "cpu", **env),
+                    timeout=timeout)
     assert run.returncode == 0, run.stdout[-6000:]
     return run.stdout
 
@@ -120,7 +121,8 @@ def test_megatron_training_loop_saves_and_resumes_bitwise(tmp_path, device, opti
 def test_megatron_core_optimizers_on_two_data_parallel_ranks(tmp_path):
     """Float16 and distributed optimiser, DP=2: gradients of the fp32 buffer reduce like the
     others, the fp32 parameters stay fp32 (the distributed optimiser updates them in place),
-    and every checkpoint format resumes bit for bit; without the fix Megatron still fails."""
+    and every checkpoint format resumes bit for bit; without
+    ``make_fp32_params_checkpointable`` Megatron still fails."""
     out = _torchrun(["core", str(tmp_path)], nproc=2)
     assert "CORE CHECKS PASSED" in out, out[-6000:]
 
@@ -432,8 +434,8 @@ def _sharded_tensors(sd):
 
 
 def _check_the_fix_keeps_the_updates(kind: str):
-    """With and without the fix, the same training steps give the same parameters, bit for
-    bit (the fix changes only what checkpoints see)."""
+    """With and without ``make_fp32_params_checkpointable``, the same training steps give the
+    same parameters, bit for bit (it changes only what checkpoints see)."""
     fixed, unfixed = _Core(kind), _Core(kind, fix=False)
     for step in (1, 2, 3):
         _check(fixed.step(step) == unfixed.step(step), f"{kind}: step {step} loss differs")

@@ -1,10 +1,13 @@
 """examples/pretrain_gpt_mhc.py: Megatron's own training loop with the mHC flags, end to end.
 
-Every run is a fresh ``torchrun`` of the example. Here (CI) the ranks are CPU processes over
-gloo (``mhc_testing.cpu_training``); the ``cuda`` variants run the same checks over
-NCCL on GPUs and are skipped with fewer than 2 (the 3-D layouts: 4) CUDA devices; the 3-D
-layouts run on 4 CPU ranks here. Data: the stdlib corpus written
-by ``examples/prepare_stdlib_corpus.py``. Dropout is 0, so runs are deterministic.
+Every run is a fresh launch of the example (``helpers.run_ranks``: torchrun, or on a host
+without CUDA and TE ranks forked from a process that imported torch and Megatron once). Here
+(CI) the ranks are CPU processes over gloo (``mhc_testing.cpu_training``); the ``cuda``
+variants run the same checks over NCCL on GPUs and are skipped with fewer than 2 (the 3-D
+layouts: 4) CUDA devices; the 3-D layouts run on 4 CPU ranks here. Data: the stdlib corpus
+written by ``examples/prepare_stdlib_corpus.py``. Dropout is 0, so runs are deterministic.
+A run that several tests compare with is made once (:func:`shared_run`, and the interrupted
+runs of :func:`saved_at_iteration_3`).
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import (HAVE_TE, LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, finish,
-                     needs_fused_adam, run_child, start)
+from helpers import (CPU_LAUNCH_FLAGS, HAVE_TE, LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS,
+                     child_env, finish, needs_fused_adam, run_child, run_ranks, start)
 
 EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
 GOLDEN_DIR = Path(os.environ.get("MHC_GOLDEN_DIR", Path(__file__).resolve().parent / "golden"))
@@ -35,7 +39,7 @@ TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2", "--
          "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "257", "--split", "90,5,5", "--log-micro-batch-loss"]
 LOCAL = LOCAL_MODULE_FLAGS
-BACKEND = {"cpu": LOCAL + ["--distributed-backend", "gloo"],  # CPU ranks over gloo
+BACKEND = {"cpu": LOCAL + ["--distributed-backend", "gloo"] + CPU_LAUNCH_FLAGS,  # gloo
            # GPUs over NCCL: TE's modules where installed (no apex: its fused wgrad is off)
            "cuda": ["--no-gradient-accumulation-fusion"] if HAVE_TE else LOCAL}
 MHC = ["--enable-hyper-connections", "--num-residual-streams", "4"]
@@ -80,12 +84,11 @@ def _example_cmd(corpus, flags, device):
 
 
 def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600, wrapper=None) -> Run:
-    """A ``torchrun`` of the example; ``wrapper``: a script that runs the example script
-    given as its first argument (e.g. tests/gpu_child/without_te.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *([str(wrapper)] if wrapper else []),
-           *_example_cmd(corpus, flags, device)]
-    return Run(run_child(cmd, child_env(cpu_only=device == "cpu"), timeout))
+    """A run of the example (``helpers.run_ranks``); ``wrapper``: a script that runs the
+    example script given as its first argument (e.g. tests/gpu_child/without_te.py)."""
+    example = [*([str(wrapper)] if wrapper else []), *_example_cmd(corpus, flags, device)]
+    return Run(run_ranks(nproc, *example, env=child_env(cpu_only=device == "cpu"),
+                         timeout=timeout))
 
 
 def _close(a, b, rtol):
@@ -146,21 +149,43 @@ def test_golden_losses(mhc_run):
 @needs_gpu
 def test_golden_losses_gpu(corpus):
     """The same run on one GPU over NCCL with the Triton kernels and Megatron's local
-    modules (also where TE is installed), against tests/golden/pretrain_gpu_losses.json
-    (recorded on an H100)."""
+    modules (also where TE is installed), against tests/golden/pretrain_gpu_losses.json."""
     run = pretrain(corpus, *MHC, *LOCAL, device="cuda").ok()
     assert "mhc_kernel_backend='auto' runs the triton ops on cuda" in run.out
     _check_golden(run, "pretrain_gpu_losses.json", rtol=1e-4)
 
 
-def test_resume_continues_bitwise(corpus, mhc_run, tmp_path):
+@pytest.fixture(scope="module")
+def saved_at_iteration_3(corpus, tmp_path_factory):
+    """``saved_at_iteration_3(dest, *flags, nproc=1, device="cpu") -> Run``: the run of
+    ``flags`` interrupted at iteration 3 (``--save-interval 3 --exit-interval 3``: Megatron
+    saves and exits), made once for all the tests that resume from it; each test gets its own
+    copy of the checkpoint at ``dest`` (a resumed run may save into it)."""
+    saved = {}
+
+    def copy(dest: Path, *flags, nproc=1, device="cpu") -> Run:
+        key = (flags, nproc, device)
+        if key not in saved:
+            ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
+            run = pretrain(corpus, *flags, "--save", str(ckpt), "--save-interval", "3",
+                           "--exit-interval", "3", nproc=nproc, device=device)
+            saved[key] = (ckpt, run)
+        ckpt, run = saved[key]
+        if run.returncode == 0:
+            shutil.copytree(ckpt, dest)
+        return run
+
+    return copy
+
+
+def test_resume_continues_bitwise(corpus, mhc_run, saved_at_iteration_3, tmp_path):
     """Interrupted at iteration 3 (Megatron saves and exits), resumed from the checkpoint:
     the remaining steps equal the uninterrupted run's, bit for bit (CPU, deterministic)."""
-    ckpt = str(tmp_path / "ckpt")
-    first = pretrain(corpus, *MHC, "--save", ckpt, "--save-interval", "3",
-                     "--exit-interval", "3").ok()
+    ckpt = tmp_path / "ckpt"
+    first = saved_at_iteration_3(ckpt, *MHC).ok()
     assert "saving checkpoint at iteration" in first.out and len(first.train) == 2 * 3
-    second = pretrain(corpus, *MHC, "--load", ckpt, "--save", ckpt, "--save-interval", "3").ok()
+    second = pretrain(corpus, *MHC, "--load", str(ckpt), "--save", str(ckpt),
+                      "--save-interval", "3").ok()
     assert "successfully loaded checkpoint" in second.out
     assert first.train + second.train == mhc_run.train
 
@@ -223,19 +248,19 @@ LAYOUTS = {"1": ([], 1), "tp2": (_tp(2), 2), "tp2sp": (_tp(2, sp=True), 2), "pp2
     pytest.param("cuda", "tp2pp2sp", "1", marks=[needs_4_gpus, needs_te_norms]),
     pytest.param("cuda", "1", "tp2pp2sp", marks=[needs_4_gpus, needs_te_norms]),
 ])
-def test_checkpoint_resumes_at_another_parallel_layout(corpus, tmp_path, device, save, load):
+def test_checkpoint_resumes_at_another_parallel_layout(corpus, saved_at_iteration_3, tmp_path,
+                                                       device, save, load):
     """A run interrupted at iteration 3 and resumed at another TP or PP size (Megatron's
     torch_dist checkpoint reshards model and optimiser state; with PP the n streams cross the
     stage boundary) continues with the losses of the uninterrupted run at the saving layout
     (rtol 1e-5: only the order of TP's reductions may differ; PP reorders nothing).
     Compared per micro-batch: after a resume, Megatron 0.19.2's logged iteration loss at the
     second iteration averages the first two (its running sums are not reset once)."""
-    ckpt = str(tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
     (save_flags, save_procs), (load_flags, load_procs) = LAYOUTS[save], LAYOUTS[load]
-    first = pretrain(corpus, *MHC, *save_flags, "--save", ckpt, "--save-interval", "3",
-                     "--exit-interval", "3", nproc=save_procs, device=device).ok()
+    first = saved_at_iteration_3(ckpt, *MHC, *save_flags, nproc=save_procs, device=device).ok()
     assert "successfully saved checkpoint" in first.out
-    second = pretrain(corpus, *MHC, *load_flags, "--load", ckpt, nproc=load_procs,
+    second = pretrain(corpus, *MHC, *load_flags, "--load", str(ckpt), nproc=load_procs,
                       device=device).ok()
     assert "successfully loaded checkpoint" in second.out and sorted(second.logged) == [4, 5, 6]
     whole = shared_run(corpus, *MHC, *save_flags, nproc=save_procs, device=device)
@@ -280,7 +305,8 @@ def test_3d_layouts_on_4_ranks_match_pp2(corpus, device, kind, flags):
     resharding above, as do TP=2 x PP=2 and 1 rank in both directions. Megatron's logged
     loss is the global batch's (averaged over DP), so every update enters the next loss."""
     model = MHC + (MOE if kind == "moe" else [])
-    run = pretrain(corpus, *model, *flags, nproc=4, device=device).ok()
+    # (TP=2 x PP=2 alone is also the uninterrupted run of the resharding test above)
+    run = shared_run(corpus, *model, *flags, nproc=4, device=device)
     reference = shared_run(corpus, *model, *PP2, nproc=2, device=device)
     _close([run.logged[i] for i in range(1, ITERS + 1)],
            [reference.logged[i] for i in range(1, ITERS + 1)], rtol=1e-5)
@@ -305,8 +331,10 @@ def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
         assert proc.returncode != 0, out[-3000:]
         assert re.search(rf"ValueError: mHC config: [^\n]*{field}[^\n]*Fix: ", out), \
             f"rank {rank}:\n{out[-3000:]}"
-    run = pretrain(corpus, *flags, nproc=2, timeout=300)  # and under torchrun: a clean stop
-    assert run.returncode != 0 and "ValueError: mHC config: " in run.out
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", *_example_cmd(corpus, flags, "cpu")]
+    run = Run(run_child(torchrun, child_env(cpu_only=True), 300))  # and under torchrun:
+    assert run.returncode != 0 and "ValueError: mHC config: " in run.out  # a clean stop
 
 
 def test_multi_token_prediction_trains(corpus, mhc_run):

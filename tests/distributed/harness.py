@@ -1,7 +1,8 @@
 """What every multi-rank equivalence script shares: device, spec family, parallel state.
 
-The scripts run under ``torchrun --nproc-per-node=2`` (``tests/test_distributed.py``), in
-one of two set-ups chosen by the launcher through the environment:
+The scripts run under ``torchrun --nproc-per-node=2`` (4 for the 3-D layout), or forked by
+``fork_ranks.py`` with torchrun's variables (``tests/test_distributed.py`` on a host without
+CUDA and TE), in one of two set-ups chosen by the launcher through the environment:
 
 - ``MHC_DIST_DEVICE=cpu`` (CI): CPU ranks over gloo with the reference ops. Transformer
   Engine is hidden from the process: Megatron's TE code paths are CUDA-only (its MoE router

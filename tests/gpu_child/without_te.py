@@ -6,7 +6,7 @@
 ``importlib.util.find_spec("transformer_engine")`` returns None, so Megatron takes its
 no-TE paths. Used by tests/test_cuda_graphs.py: with TE installed, Megatron's local CUDA
 graphs take TE's code paths (TE's weak-reference buffer reuse among them) and their replay
-is not bitwise equal to eager for any model (measured with the baseline as well), so the
+is not bitwise equal to eager for any model (the baseline without mHC included), so the
 bitwise checks run here.
 """
 
