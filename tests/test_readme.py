@@ -23,12 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HAVE_TE
+from helpers import HAVE_TE, LAUNCH_VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# A fresh process as a user would start it: none of this test process's group settings.
-PROCESS_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def readme_block(name: str, language: str) -> str:
@@ -42,7 +40,9 @@ def readme_block(name: str, language: str) -> str:
 
 
 def user_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_VARS}
+    """A fresh process's environment, as a user would start it: none of this test process's
+    process-group settings."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     return {**env, **extra}
 
 
