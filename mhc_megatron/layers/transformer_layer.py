@@ -164,17 +164,26 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if not isinstance(submodules, HyperConnectionTransformerLayerSubmodules):
             submodules = HyperConnectionTransformerLayerSubmodules(**vars(submodules))
         self.n = config.num_residual_streams
-        # Global layer 1 expands the embeddings into n streams; so does every MTP layer's inner
-        # layer (its input is eh_proj's [s, b, C]; the MTP layer's final norm contracts).
-        self.expands_streams = self.layer_number == 1 or self.is_mtp_layer
-        self.self_attention_hyper_connection = build_module(
-            submodules.self_attention_hyper_connection, config=config
-        )
-        self.mlp_hyper_connection = build_module(submodules.mlp_hyper_connection, config=config)
-        self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection,
-                                            stream_offload_group(config, "attn_norm"))
-        self.mlp_bda = _StreamCombine(self.mlp_hyper_connection,
-                                      stream_offload_group(config, "mlp_norm"))
+        self.expands_streams = self._expands_streams()
+        # A hybrid stack's layers hold one sublayer each (the other is Megatron's IdentityOp,
+        # which passes the streams through): only present sublayers get a hyper-connection.
+        self.has_attention = not isinstance(self.self_attention, IdentityOp)
+        self.has_mlp = not isinstance(self.mlp, IdentityOp)
+        if not (self.has_attention or self.has_mlp):
+            raise ValueError(
+                "HyperConnectionTransformerLayer: both self_attention and mlp are IdentityOp, "
+                "so there is no residual sublayer to connect. Fix: give the layer spec an "
+                "attention or an MLP/MoE submodule.")
+        if self.has_attention:
+            self.self_attention_hyper_connection = build_module(
+                submodules.self_attention_hyper_connection, config=config)
+            self.self_attn_bda = _StreamCombine(self.self_attention_hyper_connection,
+                                                stream_offload_group(config, "attn_norm"))
+        if self.has_mlp:
+            self.mlp_hyper_connection = build_module(submodules.mlp_hyper_connection,
+                                                     config=config)
+            self.mlp_bda = _StreamCombine(self.mlp_hyper_connection,
+                                          stream_offload_group(config, "mlp_norm"))
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
@@ -191,50 +200,24 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         with manager.layer_scope(self.layer_number, self.mhc_chunk_offset):
             return super().forward(*args, **kwargs)
 
+    def _expands_streams(self) -> bool:
+        """Whether this layer's first sublayer takes ``[s, b, C]`` and expands it into the
+        streams: global layer 1, and the inner layer of every GPT multi-token-prediction
+        depth (numbered by its depth; its input is ``eh_proj``'s ``[s, b, C]``, and the MTP
+        layer's final norm contracts)."""
+        return self.layer_number == 1 or self.is_mtp_layer
+
     def _streams_in(self, hidden_states: Tensor) -> Tensor:
-        c = self.config.hidden_size
-        if self.expands_streams:
-            if hidden_states.shape[-1] != c:
-                raise ValueError(
-                    f"layer 1 of an mHC decoder expects the embeddings [s, b, {c}] (it expands "
-                    f"them into the {self.n} streams), got {tuple(hidden_states.shape)}. Fix: "
-                    f"feed layer 1 hidden states of width hidden_size={c}; later layers take "
-                    f"the streams [s, b, {self.n}*{c}]."
-                )
-            if self.self_attn_bda.offload_group is None:
-                return broadcast_streams(hidden_states, self.n)  # a view: nothing to recompute
-            # offloaded streams are force-released after the combine: give them storage of
-            # their own, not the embeddings' (offloading excludes mhc_recompute: the config
-            # refuses the pair, so there is no recompute block to record this copy in)
-            return expand_streams(hidden_states, self.n)
-        return hidden_states
-
-    def _run_sublayer(self, parent_method, hyper_connection, combine, streams, *args, **kwargs):
-        """Aggregate the streams, run Megatron's sublayer method on ``y``, combine.
-
-        With the streams' offload group configured (``combine.offload_group``), pre saves the
-        streams by reference and the group opens on ``y``, before Megatron's sublayer (and
-        its norm group), as Megatron's norm group opens on the norm's input; the combine
-        commits it and releases the streams (:mod:`~mhc_megatron.layers.stream_offload`).
-        """
-        offload = StreamOffload.begin(combine.offload_group, streams)
-        if offload is None:
-            y, mappings = hyper_connection.pre(streams)
-        else:
-            with offload.deferring():
-                y, mappings = hyper_connection.pre(streams)
-            y = offload.start(y)
-        combine.arm(streams, mappings, offload)
-        try:
-            return parent_method(y, *args, **kwargs)
-        finally:
-            combine.disarm()
+        """The streams the layer's first present sublayer reads (see :func:`streams_in`)."""
+        combine = self.self_attn_bda if self.has_attention else self.mlp_bda
+        return streams_in(hidden_states, self.n, self.config.hidden_size, self.expands_streams,
+                          materialise=combine.offload_group is not None)
 
     def _forward_attention(self, hidden_states: Tensor, *args, **kwargs):
         """Self-attention sublayer on ``[s, b, n*C]`` streams (see module docstring)."""
-        if not self.mhc_enabled:
+        if not (self.mhc_enabled and self.has_attention):
             return super()._forward_attention(hidden_states, *args, **kwargs)
-        return self._run_sublayer(
+        return run_sublayer(
             super()._forward_attention,
             self.self_attention_hyper_connection,
             self.self_attn_bda,
@@ -245,13 +228,13 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
     def _forward_mlp(self, hidden_states: Tensor, *args, **kwargs):
         """MLP / MoE sublayer on ``[s, b, n*C]`` streams (see module docstring)."""
-        if not self.mhc_enabled:
+        if not (self.mhc_enabled and self.has_mlp):
             return super()._forward_mlp(hidden_states, *args, **kwargs)
-        return self._run_sublayer(
+        return run_sublayer(
             super()._forward_mlp,
             self.mlp_hyper_connection,
             self.mlp_bda,
-            hidden_states,
+            hidden_states if self.has_attention else self._streams_in(hidden_states),
             *args,
             **kwargs,
         )
@@ -266,6 +249,55 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 dtype=h.dtype, device=h.device, requires_grad=h.requires_grad,
             )
         return static_inputs
+
+
+def streams_in(hidden_states: Tensor, n: int, hidden_size: int, expands: bool,
+               materialise: bool = False) -> Tensor:
+    """The streams a layer's first sublayer reads.
+
+    ``expands`` (the first layer of a decoder or of an MTP depth): ``hidden_states`` are the
+    embeddings ``[s, b, C]``, read as n equal streams through a view
+    (:func:`broadcast_streams`), or copied into ``[s, b, n*C]`` (:func:`expand_streams`)
+    with ``materialise`` (offloaded streams are force-released after the combine, so they
+    need storage of their own, not the embeddings'; offloading excludes ``mhc_recompute``,
+    so there is no recompute block to record the copy in). Otherwise the streams
+    ``[s, b, n*C]`` as they are.
+    """
+    if not expands:
+        return hidden_states
+    if hidden_states.shape[-1] != hidden_size:
+        raise ValueError(
+            f"layer 1 of an mHC decoder expects the embeddings [s, b, {hidden_size}] (it "
+            f"expands them into the {n} streams), got {tuple(hidden_states.shape)}. Fix: feed "
+            f"layer 1 hidden states of width hidden_size={hidden_size}; later layers take the "
+            f"streams [s, b, {n}*{hidden_size}].")
+    return expand_streams(hidden_states, n) if materialise else broadcast_streams(hidden_states, n)
+
+
+def run_sublayer(parent_method, hyper_connection: HyperConnectionModule,
+                 combine: _StreamCombine, streams: Tensor, *args, **kwargs):
+    """Aggregate the streams, run Megatron's sublayer method on ``y``, combine.
+
+    ``parent_method(y, *args, **kwargs)`` is Megatron's code for one residual sublayer
+    (``TransformerLayer._forward_attention`` / ``_forward_mlp``, ``MambaLayer.forward``); it
+    calls ``combine`` where it would call its bias-dropout-add. With the streams' offload
+    group configured (``combine.offload_group``), pre saves the streams by reference and the
+    group opens on ``y``, before Megatron's sublayer (and its norm group), as Megatron's norm
+    group opens on the norm's input; the combine commits it and releases the streams
+    (:mod:`~mhc_megatron.layers.stream_offload`).
+    """
+    offload = StreamOffload.begin(combine.offload_group, streams)
+    if offload is None:
+        y, mappings = hyper_connection.pre(streams)
+    else:
+        with offload.deferring():
+            y, mappings = hyper_connection.pre(streams)
+        y = offload.start(y)
+    combine.arm(streams, mappings, offload)
+    try:
+        return parent_method(y, *args, **kwargs)
+    finally:
+        combine.disarm()
 
 
 def _say_mhc_is_off(config) -> None:
@@ -285,19 +317,23 @@ def _say_mhc_is_off(config) -> None:
 
 
 def _enclosing_block(max_frames: int = 8):
-    """The ``TransformerBlock`` whose ``_build_layers`` is constructing this layer, or None.
+    """The ``TransformerBlock`` or ``HybridStack`` whose constructor is building this layer,
+    or None.
 
     Megatron builds a block's layers inside ``TransformerBlock.__init__`` (``_build_layers``
-    -> ``build_layer`` -> ``build_module`` -> the layer class), where the block is the
-    ``self`` of a frame a few levels up. A layer built on its own (tests, hand-made
-    stacks) finds none. Read-only: nothing of Megatron's is changed.
+    -> ``build_layer`` -> ``build_module`` -> the layer class) and a hybrid stack's inside
+    ``HybridStack.__init__`` (-> ``build_module``), where the block is the ``self`` of a
+    frame a few levels up. A layer built on its own (tests, hand-made stacks) finds none.
+    Read-only: nothing of Megatron's is changed.
     """
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+
     frame = sys._getframe(2)
     for _ in range(max_frames):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if isinstance(owner, TransformerBlock):
+        if isinstance(owner, (TransformerBlock, HybridStack)):
             return owner
         frame = frame.f_back
     return None
@@ -308,10 +344,22 @@ def _refuse_block_without_stream_contraction(block) -> None:
 
     A *layer* spec passed alone to ``GPTModel`` makes Megatron build the block with its plain
     final norm (``TransformerBlockSubmodules(layer_specs=[spec] * L, layer_norm=LayerNormImpl)``),
-    which would fail in the first forward with torch's ``normalized_shape`` error.
+    which would fail in the first forward with torch's ``normalized_shape`` error; Megatron's
+    own ``HybridStack`` always builds a plain ``TENorm`` (an MTP depth's inner stack builds
+    none: the MTP layer's norm follows it).
     """
     if block is None or not (block.post_process and block.post_layer_norm):
         return
+    if not isinstance(block, TransformerBlock):
+        if getattr(block, "contracts_streams", False):
+            return
+        raise ValueError(
+            "mHC layers carry n residual streams [s, b, n*C] to the stack's final norm, but "
+            f"this {type(block).__name__} builds Megatron's plain final norm, which takes "
+            "[s, b, C]. Fix: build the hybrid model with the mHC stack spec, e.g. "
+            "HybridModel(config, get_hybrid_stack_with_mhc_spec(config, "
+            "use_transformer_engine=...), ...) (mhc_megatron.specs); its final norm "
+            "contracts the n streams.")
     layer_norm = block.submodules.layer_norm
     if layer_norm is None or StreamContractingNorm.is_builder(layer_norm):
         return
