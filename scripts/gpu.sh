@@ -32,9 +32,11 @@ phases (variables that shape them on the right)
                                                    HOST_ARGS
   recompute  benchmarks/bench_recompute.py: mhc_recompute's activation memory and step time
                                                    RECOMPUTE_ARGS (e.g. "--spec te")
-  multigpu   (2+ GPUs) tests/test_distributed.py and tests/test_ddp_param_gather.py over
-             NCCL, benchmarks/bench_pp_p2p.py      K (a pytest -k filter), PER_TEST
-  example    the GPU cases of tests/test_pretrain_example.py (Megatron's pretrain loop)
+  multigpu   (2+ GPUs) tests/test_distributed.py, tests/test_ddp_param_gather.py and
+             tests/test_hybrid_distributed.py over NCCL, benchmarks/bench_pp_p2p.py
+                                                   K (a pytest -k filter), PER_TEST
+  example    the GPU cases of tests/test_pretrain_example.py and tests/test_pretrain_hybrid.py
+             (Megatron's pretrain loop, GPT and HybridModel)
                                                    K, RECORD_GOLDEN=1 (record the GPU golden
                                                    losses into $OUT/golden first)
   pretrain   (2+ GPUs) examples/pretrain_gpt_mhc.py on the Python stdlib corpus: per
@@ -230,7 +232,8 @@ phase_multigpu() {
   # every rank prints its comparisons before any assertion
   opts=(-v -s -p no:cacheprovider -rfE -k "not cpu${K:+ and ($K)}")
   [ -n "${PER_TEST:-}" ] && has pytest_timeout && opts+=(--timeout "$PER_TEST")
-  "$PY" -m pytest tests/test_distributed.py tests/test_ddp_param_gather.py "${opts[@]}" || rc=1
+  "$PY" -m pytest tests/test_distributed.py tests/test_ddp_param_gather.py \
+    tests/test_hybrid_distributed.py "${opts[@]}" || rc=1
   local tests; tests="$(pytest_line "$OUT/multigpu.log")"
   torchrun --standalone --nproc-per-node=2 benchmarks/bench_pp_p2p.py \
     --out "$OUT/multigpu_p2p.md" || rc=1
@@ -245,7 +248,8 @@ phase_example() {
       tests/test_pretrain_example.py -q -p no:cacheprovider -k golden_losses_gpu || rc=1
     export MHC_GOLDEN_DIR="$OUT/golden"
   fi
-  "$PY" -m pytest tests/test_pretrain_example.py -v -p no:cacheprovider -rfEs \
+  "$PY" -m pytest tests/test_pretrain_example.py tests/test_pretrain_hybrid.py -v \
+    -p no:cacheprovider -rfEs \
     -k "(cuda or gpu)${K:+ and ($K)}" --durations=20 || rc=1
   echo "SUMMARY: $(pytest_line "$OUT/example.log")"
   return $rc

@@ -32,19 +32,23 @@ STEPS = 4
 LAYERS = 3
 
 
-def _run_case(mhc: bool, kind: str, hide_te: bool, dtype: str = "bf16") -> dict:
+def _run_case(mhc: bool, kind: str, hide_te: bool, dtype: str = "bf16",
+              model: str = "gpt") -> dict:
     child = [str(ROOT / "tests/gpu_child/cuda_graph_equivalence.py")]
     cmd = [sys.executable, *([str(WITHOUT_TE)] if hide_te else []), *child,
            "--mhc", str(int(mhc)), "--kind", kind, "--steps", str(STEPS),
-           "--layers", str(LAYERS), "--dtype", dtype]
+           "--layers", str(LAYERS), "--dtype", dtype, "--model", model]
     run = run_child(cmd, child_env(), timeout=600)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-6000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    print(f"\n[cuda graphs] mhc={mhc} {kind} {dtype} TE {'hidden' if hide_te else 'visible'}: "
+    print(f"\n[cuda graphs] {model} mhc={mhc} {kind} {dtype} "
+          f"TE {'hidden' if hide_te else 'visible'}: "
           f"losses eager {result['loss_eager']} graph {result['loss_graph']}; "
           f"max |grad diff| per step {[g['max_abs_diff'] for g in result['grads']]}")
-    assert result["graphed_layers"] == LAYERS, "every layer must run from a created CUDA graph"
+    layers = LAYERS * (2 if model == "hybrid" else 1)  # a hybrid layer is one sublayer
+    assert result["graphed_layers"] == result["layers"] == layers, \
+        "every layer must run from a created CUDA graph"
     if mhc:
         assert all(g["mhc_params"] == 2 * LAYERS * 3 for g in result["grads"]), \
             "phi, alpha, bias of every sublayer"
@@ -59,6 +63,18 @@ def test_local_graphs_equal_eager(kind, mhc):
     replayed from step 2 on), every layer graphed. Megatron's graphs without TE (hidden where
     installed: see the next test)."""
     r = _run_case(mhc, kind, hide_te=True)
+    assert r["loss_graph"] == r["loss_eager"]
+    for step, g in enumerate(r["grads"]):
+        assert g["differing"] == [] and g["max_abs_diff"] == 0.0, (step, g)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_hybrid_local_graphs_equal_eager(kind):
+    """The same for the HybridModel of the same layers (``*-`` / ``*E`` pairs): every hybrid
+    layer (one sublayer and its hyper-connection) runs from its own graph, and the losses and
+    every gradient equal eager bit for bit."""
+    r = _run_case(True, kind, hide_te=True, model="hybrid")
     assert r["loss_graph"] == r["loss_eager"]
     for step, g in enumerate(r["grads"]):
         assert g["differing"] == [] and g["max_abs_diff"] == 0.0, (step, g)

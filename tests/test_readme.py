@@ -1,7 +1,7 @@
 """The README's code runs as written.
 
-* ``usage``: the Python snippet, as a plain ``python`` process on CPU and under ``torchrun``
-  on a GPU host;
+* ``usage`` and ``hybrid-usage``: the Python snippets (the second continues the first), as a
+  plain ``python`` process on CPU and under ``torchrun`` on a GPU host;
 * ``cpu-smoke``: the CPU smoke run of ``examples/pretrain_gpt_mhc.py`` (Megatron's training
   loop on one gloo rank), on any machine (CUDA hidden);
 * ``gpu-pretrain``: the GPU pretraining commands (data parallel with the distributed
@@ -72,7 +72,7 @@ def lm_losses(log: str) -> list[float]:
 
 def test_readme_usage_snippet_runs(tmp_path):
     script = tmp_path / "readme_usage.py"
-    script.write_text(readme_block("usage", "python"))
+    script.write_text(readme_block("usage", "python") + readme_block("hybrid-usage", "python"))
     if torch.cuda.is_available():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=1", str(script)]
@@ -86,6 +86,9 @@ def test_readme_usage_snippet_runs(tmp_path):
     assert found.group(1) == ("cuda" if torch.cuda.is_available() else "cpu")
     # An untrained model predicts about uniformly over the 32000-token vocabulary.
     assert abs(float(found.group(2)) - math.log(32000)) < 1.0
+    hybrid = re.search(r"mHC HybridModel on (\w+): loss ([\d.]+)", run.stdout)
+    assert hybrid and hybrid.group(1) == found.group(1), run.stdout[-3000:]
+    assert abs(float(hybrid.group(2)) - math.log(32000)) < 1.0
 
 
 @pytest.mark.skipif(HAVE_TE, reason="the CPU smoke run is for machines without Transformer "

@@ -39,6 +39,7 @@ ATTENTION_PARTS = ("input_layernorm.", "self_attention.", "self_attention_hyper_
 MLP_PARTS = ("pre_mlp_layernorm.", "mlp.", "mlp_hyper_connection.")
 _ATTENTION_SYMBOLS = (Symbols.ATTENTION, Symbols.MLA)
 _MLP_SYMBOLS = (Symbols.MLP, Symbols.MOE)
+OUTPUT_EXTRA_STATE = "output_layer._extra_state"
 _DECODER_LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
 _MTP_INNER = re.compile(r"^(.*mtp\.layers\.\d+\.mtp_model_layer\.)(.*)$")
 
@@ -144,6 +145,8 @@ def gpt_layout_sharded_state_dict(model, metadata: dict | None = None) -> dict:
     full = model.sharded_state_dict(prefix="", metadata=metadata)
     sharded = {k: v for k, v in full.items()
                if not k.startswith(("decoder.layers.", "mtp."))}
+    # GPTModel drops its output layer's (empty) extra state from its checkpoints
+    sharded.pop(OUTPUT_EXTRA_STATE, None)
     apply_prefix_mapping(sharded, {"decoder.final_norm.": "decoder.final_layernorm."})
     for local_index, layer in enumerate(model.decoder.layers):
         gpt_index = (layer.layer_number - 1) // 2
@@ -178,4 +181,7 @@ def load_gpt_checkpoint_into_hybrid(model, checkpoint_dir: str, metadata: dict |
 
     loaded = dist_checkpointing.load(gpt_layout_sharded_state_dict(model, metadata),
                                      checkpoint_dir)
+    own = model.state_dict()
+    if OUTPUT_EXTRA_STATE in own:  # not in GPT checkpoints (GPTModel.sharded_state_dict)
+        loaded[OUTPUT_EXTRA_STATE] = own[OUTPUT_EXTRA_STATE]
     return model.load_state_dict(loaded, strict=strict)

@@ -28,6 +28,9 @@ def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--mhc", type=int, default=1)
     p.add_argument("--kind", choices=("dense", "moe"), default="dense")
+    p.add_argument("--model", choices=("gpt", "hybrid"), default="gpt",
+                   help="hybrid: the HybridModel of the same layers (pattern '*-' or '*E' a "
+                        "GPT layer, so twice as many graphed layers)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
@@ -56,7 +59,7 @@ def config(args, graphs: bool):
                        cuda_graph_impl="local" if graphs else "none", **moe)
 
 
-def build(cfg):
+def build(cfg, model_kind: str = "gpt"):
     """The GPT on the GPU as Megatron's training wraps it: Float16Module (in bf16: every weight,
     norms included, in bf16; fp32 logits) inside Megatron's DDP, whose fp32 ``main_grad``
     buffers the graphs' backward accumulates into."""
@@ -64,7 +67,14 @@ def build(cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    model = build_gpt(cfg, "cuda")
+    if model_kind == "hybrid":
+        from hybrid_models import build_hybrid_model, hybrid_config
+        from mhc_megatron.checkpoint import gpt_hybrid_layer_pattern
+
+        model = build_hybrid_model(hybrid_config(cfg), "cuda", gpt_hybrid_layer_pattern(cfg))
+        cfg = model.config
+    else:
+        model = build_gpt(cfg, "cuda")
     if cfg.bf16:
         model = Float16Module(cfg, model)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -122,9 +132,9 @@ def main():
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True)
     torch.manual_seed(1234)
-    eager = build(config(args, graphs=False))
+    eager = build(config(args, graphs=False), args.model)
     start = {k: v.clone() for k, v in inner(eager).state_dict().items() if torch.is_tensor(v)}
-    graphed = build(config(args, graphs=True))
+    graphed = build(config(args, graphs=True), args.model)
     result = inner(graphed).load_state_dict(start, strict=False)
     assert not result.unexpected_keys and all("_extra_state" in k for k in result.missing_keys)
     batches = [batch(device="cuda", seed=s) for s in range(args.steps)]
@@ -141,7 +151,7 @@ def main():
                          "mhc_params": sum("hyper_connection" in n for n in diffs)})
     print("RESULT " + json.dumps({"loss_eager": loss_e, "loss_graph": loss_g,
                                   "grads": per_step, "graphed_layers": replays(graphed),
-                                  "layers": args.layers}), flush=True)
+                                  "layers": len(inner(graphed).decoder.layers)}), flush=True)
     parallel_state.destroy_model_parallel()
 
 
