@@ -1,4 +1,5 @@
-"""Pretrain a GPT with Megatron's own training loop; mHC is switched on by flags.
+"""Pretrain a GPT, or a hybrid model, with Megatron's own training loop; mHC is switched on
+by flags.
 
     python examples/prepare_stdlib_corpus.py out/data/stdlib
     torchrun --nproc-per-node=N examples/pretrain_gpt_mhc.py <Megatron's flags> \\
@@ -12,6 +13,22 @@ decoder-block spec (``mhc_gpt_model_config_from_args``), and makes Megatron's op
 checkpoint fp32 mapping parameters in a bf16/fp16 run (``--mhc-params-dtype fp32``,
 ``fp32_params_in_megatron_training``; a no-op for a model of one dtype). Without ``--enable-hyper-connections``
 the same script trains the baseline (the mHC spec with mHC off is Megatron's own layer).
+
+With Megatron's ``--hybrid-layer-pattern`` the model is Megatron's ``HybridModel``
+(``mhc_hybrid_model_config_from_args``: Megatron's ``hybrid_config_from_args`` and
+``HybridModelBuilder`` with the mHC stack spec); every mHC flag applies as for GPT, and each
+layer of the pattern (one residual sublayer) gets its own hyper-connection. Megatron derives
+``--num-layers`` from the pattern; ``|`` splits it into pipeline stages (as many segments as
+``--pipeline-model-parallel-size``), ``/`` appends multi-token-prediction depths. The GPT
+flags above with, e.g.::
+
+    --hybrid-layer-pattern "*-*-" --enable-hyper-connections  # the 2-layer GPT's layers
+    --hybrid-layer-pattern "*-|*-" --pipeline-model-parallel-size 2      # 2 pipeline stages
+    --hybrid-layer-pattern "*E*E" --num-experts 4 --moe-router-topk 2    # MoE layers
+    --hybrid-layer-pattern "*-*-/*-"                                      # one MTP depth
+
+(``*`` attention, ``-`` MLP, ``E`` MoE, ``+`` MLA; Mamba ``M`` and GDN ``G`` layers need
+their CUDA packages.) The name of the script stays: the data, loss and loop are the GPT's.
 
 Data: any Megatron indexed dataset with its tokenizer, e.g. the Python standard library as
 bytes (``examples/prepare_stdlib_corpus.py``, Megatron's ``NullTokenizer``), or ``--mock-data``.
@@ -41,7 +58,10 @@ Megatron's index builder loops forever on an empty split, e.g. the test split of
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import inspect
 import os
 import sys
 
@@ -75,7 +95,42 @@ def example_arguments(parser):
                    help="print every micro-batch's loss from one rank of the last pipeline "
                         "stage (exact per-step losses for tests; Megatron's own log averages "
                         "since its last reset)")
+    g.add_argument("--log-grad-norm", action="store_true",
+                   help="print every iteration's gradient norm (Megatron's, over all model "
+                        "parallel ranks, before clipping) in full precision from the rank that "
+                        "prints the losses (exact values for tests; Megatron's log rounds it to "
+                        "3 decimals)")
     return parser
+
+
+@contextlib.contextmanager
+def grad_norm_printed():
+    """For the duration of the block, Megatron's ``training_log`` (which its training loop
+    calls by its module-level name once an iteration) also prints the iteration's gradient
+    norm in full precision: ``[grad norm] <iteration> <value>``. Scoped and restored."""
+    import megatron.training.training as training
+
+    log = training.training_log
+    signature = inspect.signature(log)
+    if not {"iteration", "grad_norm"} <= set(signature.parameters):
+        raise RuntimeError(
+            "--log-grad-norm: megatron.training.training.training_log no longer takes "
+            "'iteration' and 'grad_norm' (written for Megatron-Core 0.19). Fix: drop "
+            "--log-grad-norm, or read the grad norm Megatron logs.")
+
+    @functools.wraps(log)
+    def training_log(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        grad_norm = bound.get("grad_norm")
+        if grad_norm is not None and _prints_losses():
+            print(f"[grad norm] {bound['iteration']} {float(grad_norm):.10e}", flush=True)
+        return log(*args, **kwargs)
+
+    training.training_log = training_log
+    try:
+        yield
+    finally:
+        training.training_log = log
 
 
 def forward_step(data_iterator, model, return_schedule_plan=False):
@@ -164,11 +219,19 @@ def main():
     from mhc_megatron.training import (
         fp32_params_in_megatron_training,
         mhc_gpt_model_config_from_args,
+        mhc_hybrid_model_config_from_args,
     )
 
     args = parse_and_validate_args(extra_args_provider=example_arguments)
-    model_cfg = mhc_gpt_model_config_from_args(args)  # the config's refusals fire here
-    with fp32_params_in_megatron_training():  # --mhc-params-dtype fp32 with --bf16/--fp16
+    # the config's refusals fire here, on every rank, before any process group exists
+    if args.hybrid_layer_pattern is not None:
+        model_cfg = mhc_hybrid_model_config_from_args(args)
+    else:
+        model_cfg = mhc_gpt_model_config_from_args(args)
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(fp32_params_in_megatron_training())  # --mhc-params-dtype fp32, bf16
+        if args.log_grad_norm:
+            scope.enter_context(grad_norm_printed())
         pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
                  ModelType.encoder_or_decoder, forward_step)
 

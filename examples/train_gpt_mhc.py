@@ -10,6 +10,11 @@ from Megatron-Core's own ``get_gpt_decoder_block_spec``, the mHC run from
 ``mhc_megatron.specs.get_gpt_decoder_block_with_mhc_spec`` with
 ``enable_hyper_connections=True, num_residual_streams=4``.
 
+``--model hybrid``: the same layers as Megatron-Core's ``HybridModel`` (pattern ``"*-"`` per
+GPT layer: an attention layer and an MLP layer, each one residual sublayer with its own
+hyper-connection), built with ``mhc_megatron.specs.get_hybrid_stack_with_mhc_spec``; the
+baseline is that model with ``enable_hyper_connections=False`` (Megatron's hybrid model).
+
 Output: a progress bar per run, a loss table on stdout, and under ``--out``:
 ``loss_curves.png`` (train and validation loss of both runs) and ``results.json``. Log
 records and warnings print above the progress bar; the third-party notices that the
@@ -17,6 +22,7 @@ test-suite hides (``mhc_testing.warning_filters``) are hidden here too.
 
     python examples/train_gpt_mhc.py                 # CPU: a few minutes
     python examples/train_gpt_mhc.py --preset gpu    # default when CUDA is present
+    python examples/train_gpt_mhc.py --model hybrid  # the same as a HybridModel
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ def parse_args(argv=None, extra_arguments=None, description=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model/run size; default: gpu when CUDA is available, else cpu")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--model", choices=("gpt", "hybrid"), default="gpt",
+                   help="Megatron's GPTModel, or its HybridModel with the pattern '*-' per GPT "
+                        "layer (attention, MLP: one residual sublayer, one hyper-connection "
+                        "each)")
     p.add_argument("--streams", type=int, default=4, help="mHC residual streams n")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--corpus-mb", type=float, default=8.0, help="bytes of stdlib source to use")
@@ -238,24 +248,60 @@ def build_model(mhc: bool, args, mhc_overrides: dict | None = None):
            **(mhc_overrides or {})},
     )
     te = args.spec == "te"
-    if mhc:
-        spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=te,
-                                                   normalization="RMSNorm")
+    if args.model == "hybrid":
+        model = build_hybrid_model(config, args)
     else:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
-                                          normalization="RMSNorm")
-    if args.attention == "sdpa":
-        from mhc_testing.attention import SDPACoreAttention
+        if mhc:
+            spec = get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=te,
+                                                       normalization="RMSNorm")
+        else:
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                              normalization="RMSNorm")
+        if args.attention == "sdpa":
+            from mhc_testing.attention import SDPACoreAttention
 
-        for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    model = GPTModel(config, spec, vocab_size=256, max_sequence_length=args.seq,
-                     position_embedding_type="rope").to(args.device)
+            for layer_spec in spec.layer_specs:
+                layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        model = GPTModel(config, spec, vocab_size=256, max_sequence_length=args.seq,
+                         position_embedding_type="rope")
+    model = model.to(args.device)
     if low:  # bf16 weights and activations, fp32 logits: what Megatron's training loop does
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
     return model
+
+
+def hybrid_layer_pattern(layers: int) -> str:
+    """The hybrid pattern of a GPT with ``layers`` layers: an attention and an MLP layer each."""
+    return "*-" * layers
+
+
+def build_hybrid_model(config, args):
+    """The GPT's layers as Megatron's ``HybridModel`` (:func:`hybrid_layer_pattern`), with
+    the mHC hybrid stack spec (mHC on or off per ``config``). Megatron's hybrid config counts
+    pattern symbols as layers (``num_layers = 2 * layers``, ``is_hybrid_model``: the output
+    projections' scaled init is then the GPT's)."""
+    import dataclasses
+
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from mhc_megatron.specs import get_hybrid_stack_with_mhc_spec
+
+    pattern = hybrid_layer_pattern(args.layers)
+    config = dataclasses.replace(config, num_layers=len(pattern), is_hybrid_model=True)
+    spec = get_hybrid_stack_with_mhc_spec(config, use_transformer_engine=args.spec == "te")
+    if args.attention == "sdpa":
+        from mhc_testing.attention import SDPACoreAttention
+
+        attention = spec.submodules.attention_layer
+        self_attention = attention.submodules.self_attention
+        spec.submodules.attention_layer = dataclasses.replace(attention, submodules=(
+            dataclasses.replace(attention.submodules, self_attention=dataclasses.replace(
+                self_attention, submodules=dataclasses.replace(
+                    self_attention.submodules, core_attention=SDPACoreAttention)))))
+    return HybridModel(config, spec, vocab_size=256, max_sequence_length=args.seq,
+                       hybrid_layer_pattern=pattern, position_embedding_type="rope")
 
 
 class MasterWeightAdamW:
@@ -451,6 +497,21 @@ def plot(results: list[RunResult], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def model_size(args) -> str:
+    """The model's layers and width, for the console."""
+    if args.model == "hybrid":
+        return (f"{model_label(args)} ({2 * args.layers} layers: {args.layers} GPT layers) x "
+                f"{args.hidden} hidden")
+    return f"{args.layers} layers x {args.hidden} hidden"
+
+
+def model_label(args) -> str:
+    """The model, for the console and titles: ``--model``."""
+    if args.model == "hybrid":
+        return f"HybridModel '{hybrid_layer_pattern(args.layers)}'"
+    return "GPT"
+
+
 def mhc_params_label(args) -> str:
     """Where the mHC mapping parameters are stored, for titles: ``--mhc-params``."""
     if args.mhc_params == "fp32":
@@ -474,7 +535,7 @@ def _run(args):
     split = int(0.95 * len(corpus))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"corpus: {len(corpus) / 1e6:.1f} MB of Python stdlib source (byte tokens); "
-          f"device: {device_name}; model: {args.layers} layers x {args.hidden} hidden, "
+          f"device: {device_name}; model: {model_size(args)}, "
           f"seq {args.seq}, batch {args.batch}, {args.steps} steps; {args.spec} spec, "
           f"{args.precision}")
     results = [
@@ -483,7 +544,8 @@ def _run(args):
     ]
     table = report(results, args)
     print("\n" + table)
-    title = (f"Megatron-Core GPT on Python stdlib bytes ({device_name}): residual vs mHC n={args.streams}\n"
+    title = (f"Megatron-Core {model_label(args)} on Python stdlib bytes ({device_name}): "
+             f"residual vs mHC n={args.streams}\n"
              f"{args.layers}L x {args.hidden}, seq {args.seq}, batch {args.batch}, "
              f"{args.spec} spec, {args.precision}, {mhc_params_label(args)}")
     plot(results, os.path.join(args.out, "loss_curves.png"), title)

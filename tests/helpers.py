@@ -370,3 +370,133 @@ def _fork_server() -> _ForkServer:
     if _SERVER is None:
         _SERVER = _ForkServer()
     return _SERVER
+
+
+# ------------------------------------------- Megatron's training loop: pretrain_gpt_mhc.py
+# The runs of examples/pretrain_gpt_mhc.py that test_pretrain_example.py (GPT) and
+# test_pretrain_hybrid.py (HybridModel) launch and compare: the tiny GPT's flags, a short
+# fixed-seed schedule on the stdlib corpus, Megatron's local modules over gloo on CPU ranks.
+PRETRAIN_EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
+PRETRAIN_ITERS = 6
+# The same initial weights at every TP size on CPU ranks: full weights initialised, then
+# split (Megatron's GPT builder leaves such a model on the CPU, so not on GPUs), and a padded
+# vocabulary (512) that does not depend on TP.
+SAME_INIT = {"cpu": ["--use-cpu-initialization"], "cuda": []}
+PRETRAIN_TRAIN_FLAGS = [
+    "--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2", "--global-batch-size",
+    "4", "--train-iters", str(PRETRAIN_ITERS), "--lr", "1e-3", "--min-lr", "1e-4",
+    "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval",
+    "1", "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "257", "--split", "90,5,5", "--log-micro-batch-loss"]
+PRETRAIN_BACKEND = {
+    "cpu": LOCAL_MODULE_FLAGS + ["--distributed-backend", "gloo"] + CPU_LAUNCH_FLAGS,  # gloo
+    # GPUs over NCCL: TE's modules where installed (no apex: its fused wgrad is off)
+    "cuda": ["--no-gradient-accumulation-fusion"] if HAVE_TE else LOCAL_MODULE_FLAGS}
+MHC_FLAGS = ["--enable-hyper-connections", "--num-residual-streams", "4"]
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+needs_4_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+needs_te_norms = pytest.mark.skipif(not HAVE_TE, reason="sequence parallel needs TE's norms")
+# CPU ranks here; the same checks over NCCL with 2 GPUs
+PRETRAIN_DEVICES = ["cpu", pytest.param("cuda", marks=needs_2_gpus)]
+
+
+def write_pretrain_corpus(directory: Path) -> str:
+    """The 1 MB stdlib corpus (examples/prepare_stdlib_corpus.py) under ``directory``; its
+    Megatron data prefix."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import prepare_stdlib_corpus
+
+    prefix = str(Path(directory) / "stdlib")
+    prepare_stdlib_corpus.write_corpus(prefix, max_bytes=1_000_000)
+    return prefix
+
+
+class PretrainRun:
+    """A finished run of the example: its output and what Megatron and the example printed
+    (``train``: every training micro-batch's loss; ``logged``: Megatron's iteration loss;
+    ``grad_norms``: iteration -> gradient norm, with ``--log-grad-norm``; ``mtp``: Megatron's
+    logged MTP loss of depth 1 per iteration; ``params``: model parallel rank 0's count)."""
+
+    def __init__(self, proc: subprocess.CompletedProcess):
+        import re
+
+        self.returncode, self.out = proc.returncode, proc.stdout + proc.stderr
+        self.train = [float(v) for v in re.findall(
+            r"\[micro-batch loss\] train ([-0-9.eE+]+)", self.out)]
+        self.logged = {int(i): float(v) for i, v in re.findall(
+            r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.Ee]+) \|", self.out)}
+        self.valid = [float(v) for v in re.findall(
+            r"validation loss at iteration \d+ \| lm loss value: ([-+0-9.Ee]+)", self.out)]
+        self.grad_norms = {int(i): float(v) for i, v in re.findall(
+            r"\[grad norm\] (\d+) ([-+0-9.Ee]+)", self.out)}
+        self.mtp = [float(v) for v in re.findall(r"mtp_1 loss: ([-+0-9.Ee]+)", self.out)]
+        params = re.findall(r"number of parameters on \(tensor, .*?\) model parallel rank "
+                            r"\(0, .*?\): (\d+)", self.out)
+        self.params = int(params[0]) if params else None
+
+    def ok(self):
+        assert self.returncode == 0, self.out[-6000:]
+        return self
+
+
+def pretrain_cmd(corpus: str, flags, device: str) -> list[str]:
+    """The example's command line: the tiny GPT, the schedule, the device's backend, then
+    ``flags`` (which may override any of them)."""
+    return [str(PRETRAIN_EXAMPLE), *TINY_GPT_FLAGS, *PRETRAIN_TRAIN_FLAGS, "--data-path", corpus,
+            *PRETRAIN_BACKEND[device], *SAME_INIT[device], *flags]
+
+
+def pretrain(corpus: str, *flags, nproc=1, device="cpu", timeout=600,
+             wrapper=None) -> PretrainRun:
+    """A run of the example (:func:`run_ranks`); ``wrapper``: a script that runs the
+    example script given as its first argument (e.g. tests/gpu_child/without_te.py)."""
+    example = [*([str(wrapper)] if wrapper else []), *pretrain_cmd(corpus, flags, device)]
+    return PretrainRun(run_ranks(nproc, *example, env=child_env(cpu_only=device == "cpu"),
+                                 timeout=timeout))
+
+
+_PRETRAIN_RUNS: dict = {}
+
+
+def shared_run(corpus: str, *flags, nproc=1, device="cpu", wrapper=None) -> PretrainRun:
+    """A finished, successful run, computed once per session for the same flags."""
+    key = (corpus, flags, nproc, device, wrapper)
+    if key not in _PRETRAIN_RUNS:
+        _PRETRAIN_RUNS[key] = pretrain(corpus, *flags, nproc=nproc, device=device,
+                                       wrapper=wrapper).ok()
+    return _PRETRAIN_RUNS[key]
+
+
+def assert_close(a, b, rtol):
+    """Two non-empty sequences of the same length, element by element within ``rtol`` of
+    ``b``."""
+    assert len(a) == len(b) and a, (a, b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * abs(y), f"step {i + 1}: {x} vs {y}\n{a}\n{b}"
+
+
+class SavedAtIteration3:
+    """``saved(dest, *flags, nproc=1, device="cpu") -> PretrainRun``: the run of ``flags``
+    interrupted at iteration 3 (``--save-interval 3 --exit-interval 3``: Megatron saves and
+    exits), made once for all the tests that resume from it; each test gets its own copy of
+    the checkpoint at ``dest`` (a resumed run may save into it). ``tmp_path_factory``:
+    pytest's, for the saved checkpoints."""
+
+    def __init__(self, corpus: str, tmp_path_factory):
+        self.corpus, self.tmp_path_factory, self.saved = corpus, tmp_path_factory, {}
+
+    def __call__(self, dest: Path, *flags, nproc=1, device="cpu") -> PretrainRun:
+        import shutil
+
+        key = (flags, nproc, device)
+        if key not in self.saved:
+            ckpt = self.tmp_path_factory.mktemp("saved") / "ckpt"
+            run = pretrain(self.corpus, *flags, "--save", str(ckpt), "--save-interval", "3",
+                           "--exit-interval", "3", nproc=nproc, device=device)
+            self.saved[key] = (ckpt, run)
+        ckpt, run = self.saved[key]
+        if run.returncode == 0:
+            shutil.copytree(ckpt, dest)
+        return run

@@ -37,6 +37,24 @@ def test_demo_smoke(demo, tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+def test_demo_hybrid_smoke(demo, tmp_path):
+    """``--model hybrid``: the GPT's layers as Megatron's HybridModel (``"*-"`` per layer).
+    Its baseline is Megatron's hybrid model of the GPT's layers, which is the GPT: the same
+    weights in the same order and the same function, so every loss equals the GPT demo's
+    baseline, bit for bit. The mHC run has as many parameters as the GPT's (one
+    hyper-connection per sublayer either way) and learns."""
+    smoke = ["--preset", "smoke", "--corpus-mb", "2"]
+    hybrid = demo.main([*smoke, "--model", "hybrid", "--out", str(tmp_path / "hybrid")])
+    gpt = demo.main([*smoke, "--out", str(tmp_path / "gpt")])
+    assert [r.name for r in hybrid] == ["baseline", "mHC n=4"]
+    for r in hybrid:
+        assert len(r.train_loss) == 6 and all(math.isfinite(v) for v in r.train_loss)
+        assert r.val_loss[-1] < math.log(256)
+    assert (hybrid[0].train_loss, hybrid[0].val_loss) == (gpt[0].train_loss, gpt[0].val_loss)
+    assert [r.params for r in hybrid] == [r.params for r in gpt]
+    assert hybrid[1].params > hybrid[0].params
+
+
 def test_demo_bf16_with_master_weights(demo, tmp_path):
     results = demo.main(["--preset", "smoke", "--corpus-mb", "2", "--precision", "bf16",
                          "--out", str(tmp_path)])

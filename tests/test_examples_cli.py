@@ -8,6 +8,7 @@ import re
 import sys
 from types import SimpleNamespace
 
+import pytest
 from helpers import ROOT, child_env, run_child
 
 EXAMPLES = ROOT / "examples"
@@ -35,17 +36,21 @@ def test_pretrain_help_lists_the_mhc_group():
     assert "--moe-paged-stash-buffer-size-factor-cuda" in out  # Megatron's flags too
 
 
-def test_demo_output_is_ours_and_megatrons_essential_lines(tmp_path):
-    """No third-party notices; Megatron's GPTModel deprecation once (two models are built);
-    the kernel-backend line starts a line of its own, above the progress bar."""
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_demo_output_is_ours_and_megatrons_essential_lines(tmp_path, model):
+    """No third-party notices; Megatron's GPTModel deprecation once (two GPTs are built;
+    none for its successor HybridModel, ``--model hybrid``); the kernel-backend line starts
+    a line of its own, above the progress bar."""
     proc = run_child([sys.executable, str(EXAMPLES / "train_gpt_mhc.py"), "--preset", "smoke",
-                      "--corpus-mb", "2", "--out", str(tmp_path)], _quiet_env(), timeout=600)
+                      "--corpus-mb", "2", "--out", str(tmp_path), "--model", model],
+                     _quiet_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     segments = re.split(r"[\r\n]", proc.stdout)
     assert segments[0].startswith("corpus: "), proc.stdout[:2000]
+    assert ("model: HybridModel '*-*-'" in segments[0]) == (model == "hybrid"), segments[0]
     assert "Warning" not in proc.stdout and "warnings.warn" not in proc.stdout, proc.stdout
     assert "No CUDA runtime" not in proc.stdout
-    assert proc.stdout.count("GPTModel IS DEPRECATED") == 1
+    assert proc.stdout.count("GPTModel IS DEPRECATED") == (1 if model == "gpt" else 0)
     backend = [s for s in segments if "mhc_kernel_backend='auto'" in s]
     assert len(backend) == 1 and backend[0].lstrip().startswith("[mhc_megatron.kernels.dispatch]")
     assert "mHC - baseline final val loss" in proc.stdout

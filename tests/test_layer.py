@@ -146,7 +146,7 @@ def test_mhc_config_switched_off_says_so_once(seeded, device, caplog, monkeypatc
         for number in (1, 2):
             _layer(cfg, number, device)
     said = [r.getMessage() for r in caplog.records if "enable_hyper_connections=False" in r.getMessage()]
-    assert len(said) == 1 and "plain Megatron TransformerLayers" in said[0]
+    assert len(said) == 1 and "build Megatron's plain layers" in said[0]
 
 
 def test_wrong_stream_width_is_a_clear_error(seeded, device):

@@ -15,97 +15,29 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import (CPU_LAUNCH_FLAGS, HAVE_TE, LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS,
-                     child_env, finish, needs_fused_adam, run_child, run_ranks, start)
+from helpers import (LOCAL_MODULE_FLAGS, MHC_FLAGS, PRETRAIN_DEVICES, PRETRAIN_ITERS,
+                     TINY_GPT_FLAGS, PretrainRun, SavedAtIteration3, assert_close, child_env,
+                     finish, needs_2_gpus, needs_4_gpus, needs_fused_adam, needs_gpu,
+                     needs_te_norms, pretrain, pretrain_cmd, run_child, shared_run, start,
+                     write_pretrain_corpus)
 
-EXAMPLE = ROOT / "examples" / "pretrain_gpt_mhc.py"
 GOLDEN_DIR = Path(os.environ.get("MHC_GOLDEN_DIR", Path(__file__).resolve().parent / "golden"))
-ITERS = 6
+ITERS = PRETRAIN_ITERS
 MODEL = TINY_GPT_FLAGS
-# The same initial weights at every TP size on CPU ranks: full weights initialised, then
-# split (Megatron's GPT builder leaves such a model on the CPU, so not on GPUs), and a padded
-# vocabulary (512) that does not depend on TP.
-SAME_INIT = {"cpu": ["--use-cpu-initialization"], "cuda": []}
-TRAIN = ["--make-vocab-size-divisible-by", "256", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
-         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-         "--lr-warmup-iters", "1", "--seed", "1234", "--log-interval", "1",
-         "--eval-iters", "1", "--eval-interval", "3", "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", "257", "--split", "90,5,5", "--log-micro-batch-loss"]
 LOCAL = LOCAL_MODULE_FLAGS
-BACKEND = {"cpu": LOCAL + ["--distributed-backend", "gloo"] + CPU_LAUNCH_FLAGS,  # gloo
-           # GPUs over NCCL: TE's modules where installed (no apex: its fused wgrad is off)
-           "cuda": ["--no-gradient-accumulation-fusion"] if HAVE_TE else LOCAL}
-MHC = ["--enable-hyper-connections", "--num-residual-streams", "4"]
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-needs_4_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
-DEVICES = ["cpu", pytest.param("cuda", marks=needs_2_gpus)]
+MHC = MHC_FLAGS
+DEVICES = PRETRAIN_DEVICES
+# the launch machinery lives in helpers.py (test_pretrain_hybrid.py runs the same example)
+Run, _example_cmd, _close = PretrainRun, pretrain_cmd, assert_close
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "examples"))
-    import prepare_stdlib_corpus
-
-    prefix = str(tmp_path_factory.mktemp("data") / "stdlib")
-    prepare_stdlib_corpus.write_corpus(prefix, max_bytes=1_000_000)
-    return prefix
-
-
-class Run:
-    """A finished run: its output and what Megatron and the example printed."""
-
-    def __init__(self, proc: subprocess.CompletedProcess):
-        self.returncode, self.out = proc.returncode, proc.stdout + proc.stderr
-        self.train = [float(v) for v in re.findall(r"\[micro-batch loss\] train ([-0-9.eE+]+)", self.out)]
-        self.logged = {int(i): float(v) for i, v in re.findall(
-            r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.Ee]+) \|", self.out)}
-        self.valid = [float(v) for v in re.findall(r"validation loss at iteration \d+ \| lm loss value: ([-+0-9.Ee]+)", self.out)]
-        params = re.findall(r"number of parameters on \(tensor, .*?\) model parallel rank "
-                            r"\(0, .*?\): (\d+)", self.out)
-        self.params = int(params[0]) if params else None
-
-    def ok(self):
-        assert self.returncode == 0, self.out[-6000:]
-        return self
-
-
-def _example_cmd(corpus, flags, device):
-    return [str(EXAMPLE), *MODEL, *TRAIN, "--data-path", corpus,
-            *BACKEND[device], *SAME_INIT[device], *flags]
-
-
-def pretrain(corpus, *flags, nproc=1, device="cpu", timeout=600, wrapper=None) -> Run:
-    """A run of the example (``helpers.run_ranks``); ``wrapper``: a script that runs the
-    example script given as its first argument (e.g. tests/gpu_child/without_te.py)."""
-    example = [*([str(wrapper)] if wrapper else []), *_example_cmd(corpus, flags, device)]
-    return Run(run_ranks(nproc, *example, env=child_env(cpu_only=device == "cpu"),
-                         timeout=timeout))
-
-
-def _close(a, b, rtol):
-    assert len(a) == len(b) and a, (a, b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert abs(x - y) <= rtol * abs(y), f"step {i + 1}: {x} vs {y}\n{a}\n{b}"
-
-
-_RUNS: dict = {}
-
-
-def shared_run(corpus, *flags, nproc=1, device="cpu", wrapper=None) -> Run:
-    """A finished, successful run, computed once per session for the same flags."""
-    key = (corpus, flags, nproc, device, wrapper)
-    if key not in _RUNS:
-        _RUNS[key] = pretrain(corpus, *flags, nproc=nproc, device=device, wrapper=wrapper).ok()
-    return _RUNS[key]
+    return write_pretrain_corpus(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
@@ -158,24 +90,8 @@ def test_golden_losses_gpu(corpus):
 @pytest.fixture(scope="module")
 def saved_at_iteration_3(corpus, tmp_path_factory):
     """``saved_at_iteration_3(dest, *flags, nproc=1, device="cpu") -> Run``: the run of
-    ``flags`` interrupted at iteration 3 (``--save-interval 3 --exit-interval 3``: Megatron
-    saves and exits), made once for all the tests that resume from it; each test gets its own
-    copy of the checkpoint at ``dest`` (a resumed run may save into it)."""
-    saved = {}
-
-    def copy(dest: Path, *flags, nproc=1, device="cpu") -> Run:
-        key = (flags, nproc, device)
-        if key not in saved:
-            ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
-            run = pretrain(corpus, *flags, "--save", str(ckpt), "--save-interval", "3",
-                           "--exit-interval", "3", nproc=nproc, device=device)
-            saved[key] = (ckpt, run)
-        ckpt, run = saved[key]
-        if run.returncode == 0:
-            shutil.copytree(ckpt, dest)
-        return run
-
-    return copy
+    ``flags`` interrupted at iteration 3, made once per module (``helpers.SavedAtIteration3``)."""
+    return SavedAtIteration3(corpus, tmp_path_factory)
 
 
 def test_resume_continues_bitwise(corpus, mhc_run, saved_at_iteration_3, tmp_path):
@@ -188,9 +104,6 @@ def test_resume_continues_bitwise(corpus, mhc_run, saved_at_iteration_3, tmp_pat
                       "--save-interval", "3").ok()
     assert "successfully loaded checkpoint" in second.out
     assert first.train + second.train == mhc_run.train
-
-
-needs_te_norms = pytest.mark.skipif(not HAVE_TE, reason="sequence parallel needs TE's norms")
 
 
 @pytest.mark.parametrize("device,optimizer", [

@@ -103,20 +103,37 @@ def gpt_to_hybrid_state_dict(state_dict: dict) -> dict:
     return {gpt_to_hybrid_key(k): v for k, v in state_dict.items()}
 
 
-def _non_homogeneous_gpt_layers(config, metadata) -> bool:
+def _non_homogeneous_gpt_layers(config, metadata, symbols: str = "") -> bool:
     """Whether Megatron's ``TransformerBlock.sharded_state_dict`` keys the GPT's layers one by
     one (``decoder.layers.{i}.``) rather than stacking them (``decoder.layers.`` with a layer
-    axis): the same rule as Megatron-Core 0.19's."""
+    axis): the same rule as Megatron-Core 0.19's. ``symbols``: the hybrid main pattern of the
+    GPT's layers; where it mixes MLP and MoE layers the GPT had ``moe_layer_freq`` > 1 or a
+    list with dense layers (the hybrid model's own config needs neither: its pattern places
+    the MoE layers), which Megatron keys one by one."""
     metadata = metadata or {}
     freq = getattr(config, "moe_layer_freq", 1)
     linear = getattr(config, "linear_attention_freq", None)
     return bool(
-        metadata.get("non_homogeneous_layers", False)
+        {Symbols.MLP, Symbols.MOE} <= set(symbols[1::2])
+        or metadata.get("non_homogeneous_layers", False)
         or metadata.get("singleton_local_shards", False)
         or getattr(config, "hetereogenous_dist_checkpoint", False)
         or getattr(config, "heterogeneous_block_specs", False)
         or isinstance(freq, list) or (isinstance(freq, int) and freq > 1)
         or isinstance(linear, list) or (isinstance(linear, int) and linear > 1))
+
+
+def stacks_gpt_layers(checkpoint_keys) -> bool:
+    """Whether a GPT checkpoint with these tensor keys stacks its decoder layers on a layer
+    axis (``decoder.layers.<name>``) rather than keying them one by one."""
+    layer_keys = [k[len("decoder.layers."):] for k in checkpoint_keys
+                  if k.startswith("decoder.layers.")]
+    if not layer_keys:
+        raise ValueError(
+            "load_gpt_checkpoint_into_hybrid: the checkpoint holds no 'decoder.layers.' tensors, "
+            "so it is not a GPT model's distributed checkpoint. Fix: pass the directory "
+            "Megatron saved the GPT model's weights in (e.g. <save>/iter_0000100).")
+    return not layer_keys[0].split(".", 1)[0].isdigit()
 
 
 def _check_gpt_pairs(symbols: str) -> int:
@@ -131,17 +148,27 @@ def _check_gpt_pairs(symbols: str) -> int:
     return len(symbols) // 2
 
 
-def gpt_layout_sharded_state_dict(model, metadata: dict | None = None) -> dict:
+def gpt_layout_sharded_state_dict(model, metadata: dict | None = None,
+                                  stacked_layers: bool | None = None) -> dict:
     """The hybrid ``model``'s sharded state dict under the keys of the equivalent GPT mHC
     model's distributed checkpoint: each decoder layer is asked for its tensors with the GPT
     layer's offset on the layer axis, as Megatron's ``TransformerBlock`` does; the final norm
     and the MTP inner layers are renamed. The dict keys stay the hybrid model's own, so
-    ``dist_checkpointing.load(this, gpt_dir)`` gives a ``state_dict`` for ``model``."""
+    ``dist_checkpointing.load(this, gpt_dir)`` gives a ``state_dict`` for ``model``.
+
+    ``stacked_layers``: whether the GPT checkpoint stacks its layers on a layer axis
+    (``decoder.layers.<name>``) or keys them one by one (``decoder.layers.<i>.<name>``); None
+    infers it as Megatron decides it, from ``metadata``, the config and the pattern (a mix of
+    dense and MoE layers is keyed one by one). :func:`load_gpt_checkpoint_into_hybrid` reads
+    it from the checkpoint instead."""
     parsed = parse_hybrid_pattern(model.hybrid_layer_pattern)
     main = (parsed.main_pattern or "").replace(Symbols.PIPE, "")
     gpt_layers = _check_gpt_pairs(main)
     config = model.config
-    non_homogeneous = _non_homogeneous_gpt_layers(config, metadata)
+    if stacked_layers is None:
+        non_homogeneous = _non_homogeneous_gpt_layers(config, metadata, main)
+    else:
+        non_homogeneous = not stacked_layers
     full = model.sharded_state_dict(prefix="", metadata=metadata)
     sharded = {k: v for k, v in full.items()
                if not k.startswith(("decoder.layers.", "mtp."))}
@@ -176,11 +203,14 @@ def load_gpt_checkpoint_into_hybrid(model, checkpoint_dir: str, metadata: dict |
     ``checkpoint_dir``, e.g. ``<save>/iter_0000100``) into the hybrid ``model``. ``metadata``:
     the sharded-state-dict metadata the checkpoint was saved with (``megatron.training``
     records it in the checkpoint's ``content_metadata``). Returns ``load_state_dict``'s
-    result."""
+    result. Whether the checkpoint stacks the GPT's layers is read from its own tensor keys.
+    ``metadata`` is not modified (Megatron's ``sharded_state_dict`` writes into the dict it
+    gets; a copy is passed)."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(gpt_layout_sharded_state_dict(model, metadata),
-                                     checkpoint_dir)
+    stacked = stacks_gpt_layers(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
+    sharded = gpt_layout_sharded_state_dict(model, dict(metadata or {}), stacked_layers=stacked)
+    loaded = dist_checkpointing.load(sharded, checkpoint_dir)
     own = model.state_dict()
     if OUTPUT_EXTRA_STATE in own:  # not in GPT checkpoints (GPTModel.sharded_state_dict)
         loaded[OUTPUT_EXTRA_STATE] = own[OUTPUT_EXTRA_STATE]

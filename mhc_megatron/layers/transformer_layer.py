@@ -313,7 +313,7 @@ def _say_mhc_is_off(config) -> None:
     elif not _said_mhc_off:
         _said_mhc_off = True
         log_rank0(logger, logging.INFO, "mHC: enable_hyper_connections=False: mHC layer specs "
-                  "build plain Megatron TransformerLayers (set it True to use mHC)")
+                  "build Megatron's plain layers (set it True to use mHC)")
 
 
 def _enclosing_block(max_frames: int = 8):

@@ -67,3 +67,40 @@ def mhc_gpt_model_config_from_args(args):
     if getattr(args, "spec", None) is None:
         model_cfg.transformer_layer_spec = mhc_block_spec
     return model_cfg
+
+
+def mhc_hybrid_model_config_from_args(args):
+    """Megatron's ``hybrid_config_from_args`` with the mHC transformer config and, unless
+    ``--spec`` names another, the hybrid stack spec of
+    :func:`~mhc_megatron.specs.hybrid.get_hybrid_stack_with_mhc_spec` for that config
+    (Megatron's TE ``hybrid_stack_spec`` with mHC layers when ``--transformer-impl
+    transformer_engine``, Megatron's local modules otherwise): a ``HybridModelConfig`` for
+    ``pretrain_cfg_container_from_args(args, model_cfg)``, built by Megatron's
+    ``HybridModelBuilder``.
+
+    Megatron's own builder needs nothing else: multi-token prediction (``/`` in the pattern)
+    is built from the spec's ``mtp_block_spec``, which the mHC spec gives mHC layers and a
+    stream-contracting norm; ``|`` pipeline stages carry the ``[s, b, n*C]`` streams. Needs
+    ``--hybrid-layer-pattern`` (Megatron derives ``num_layers`` from it). ``--sequence-parallel``
+    with norms that refuse it (Megatron's torch norm, e.g. ``--transformer-impl local`` without
+    Apex) is a ValueError that names the fix, as for GPT.
+    """
+    from megatron.training.argument_utils import hybrid_config_from_args
+
+    from mhc_megatron.specs.gpt import check_sequence_parallel_norms
+    from mhc_megatron.specs.hybrid import get_hybrid_stack_with_mhc_spec
+
+    if getattr(args, "hybrid_layer_pattern", None) is None:
+        raise ValueError(
+            "mhc_hybrid_model_config_from_args: --hybrid-layer-pattern is not set, so there is "
+            "no hybrid model to build. Fix: pass --hybrid-layer-pattern (e.g. '*-*-': attention "
+            "and MLP layers), or build a GPT with mhc_gpt_model_config_from_args.")
+    transformer_config = mhc_transformer_config_from_args(args)
+    model_cfg = hybrid_config_from_args(args, config=transformer_config)
+    if getattr(args, "spec", None) is None:
+        spec = get_hybrid_stack_with_mhc_spec(
+            transformer_config,
+            use_transformer_engine=transformer_config.transformer_impl == "transformer_engine")
+        check_sequence_parallel_norms(transformer_config, spec)
+        model_cfg.hybrid_stack_spec = spec
+    return model_cfg
