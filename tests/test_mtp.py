@@ -20,12 +20,15 @@ from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec, get_gpt_mtp_
 from mhc_testing.cpu import setup_cpu_megatron
 
 
-def _mtp_gpt(depth=1, **overrides):
+def _mtp_gpt(depth=1, device="cpu", **overrides):
+    """The local-spec mHC GPT with ``depth`` MTP depths, on ``device`` (Megatron computes the
+    rotary embedding on the GPU where CUDA is available, so the model and the data must be
+    there too)."""
     cfg = tiny_config(mtp_num_layers=depth, **overrides)
     block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
     mtp = get_gpt_mtp_block_with_mhc_spec(cfg, block, use_transformer_engine=False)
     return GPTModel(cfg, block, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope", mtp_block_spec=mtp)
+                    position_embedding_type="rope", mtp_block_spec=mtp).to(device)
 
 
 def _roll_left(t):
@@ -36,9 +39,9 @@ def _roll_left(t):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_mtp_loss_equals_composition_by_hand(megatron_single_rank, depth):
+def test_mtp_loss_equals_composition_by_hand(megatron_single_rank, device, depth):
     setup_cpu_megatron(seed=5)
-    model = _mtp_gpt(depth)
+    model = _mtp_gpt(depth, device)
     n, c = model.config.num_residual_streams, model.config.hidden_size
     seen = {}
     for k, layer in enumerate(model.mtp.layers):
@@ -46,7 +49,7 @@ def test_mtp_loss_equals_composition_by_hand(megatron_single_rank, depth):
             lambda m, a, out, k=k: seen.__setitem__(("inner", k), out[0].shape))
         layer.register_forward_hook(lambda m, a, out, k=k: seen.__setitem__(("mtp", k), out))
     MTPLossLoggingHelper.tracker.clear()
-    ids, pos, mask, labels = batch(seed=9)
+    ids, pos, mask, labels = batch(seed=9, device=device)
     model(ids, pos, mask, labels=labels)
 
     recorded = MTPLossLoggingHelper.tracker["loss_values"]
@@ -67,15 +70,16 @@ def test_mtp_loss_equals_composition_by_hand(megatron_single_rank, depth):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("mhc_recompute", [False, True])
-def test_mtp_model_trains_and_every_parameter_learns(megatron_single_rank, kind, mhc_recompute):
+def test_mtp_model_trains_and_every_parameter_learns(megatron_single_rank, device, kind,
+                                                     mhc_recompute):
     setup_cpu_megatron(seed=5)
     extra = moe_overrides() if kind == "moe" else {}
-    model = _mtp_gpt(1, mhc_recompute=mhc_recompute, **extra)
+    model = _mtp_gpt(1, device, mhc_recompute=mhc_recompute, **extra)
     mtp_hc = [name for name, _ in model.named_parameters() if name.startswith("mtp.")
               and "hyper_connection" in name]
     assert len(mtp_hc) == 6  # two mappings of the MTP layer's inner mHC layer, (phi, alpha, bias)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = batch(seed=9)
+    data = batch(seed=9, device=device)
     losses = []
     for step in range(12):
         opt.zero_grad(set_to_none=True)
@@ -92,19 +96,19 @@ def test_mtp_model_trains_and_every_parameter_learns(megatron_single_rank, kind,
     assert losses[-1][1] < 0.8 * losses[0][1], losses  # and so does the MTP loss
 
 
-def test_mtp_grads_equal_with_and_without_mhc_recompute(megatron_single_rank):
+def test_mtp_grads_equal_with_and_without_mhc_recompute(megatron_single_rank, device):
     grads = []
     for rc in (False, True):
         setup_cpu_megatron(seed=5)
-        model = _mtp_gpt(1, mhc_recompute=rc, num_layers=3, mhc_recompute_layer_num=2)
-        lm_loss(model, batch(seed=9)).backward()
+        model = _mtp_gpt(1, device, mhc_recompute=rc, num_layers=3, mhc_recompute_layer_num=2)
+        lm_loss(model, batch(seed=9, device=device)).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
 
 
 @pytest.mark.parametrize("config_class", ["mhc", "megatron"])
-def test_megatron_builder_gives_mtp_mhc_layers(megatron_single_rank, config_class):
+def test_megatron_builder_gives_mtp_mhc_layers(megatron_single_rank, device, config_class):
     """Megatron's own model builder (the one ``pretrain`` uses), from the config container:
     with ``MHCGPTModelConfig`` every MTP depth's inner layer is an mHC layer on n streams of
     its own and the depth's final norm contracts them, exactly the block of
@@ -122,7 +126,7 @@ def test_megatron_builder_gives_mtp_mhc_layers(megatron_single_rank, config_clas
                     transformer_layer_spec=mhc_block_spec,
                     vocab_size=VOCAB, seq_length=SEQ, position_embedding_type="rope")
     model = model_cfg.get_builder_cls()(model_cfg).build_model(
-        ProcessGroupCollection.use_mpu_process_groups())
+        ProcessGroupCollection.use_mpu_process_groups()).to(device)
     assert len(model.mtp.layers) == 2
     for layer in model.mtp.layers:
         inner = layer.mtp_model_layer
@@ -136,7 +140,7 @@ def test_megatron_builder_gives_mtp_mhc_layers(megatron_single_rank, config_clas
         {n: p.shape for n, p in reference.named_parameters()}
     MTPLossLoggingHelper.tracker.clear()  # sized by the depth of the first model that logs
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    data = batch(seed=9)
+    data = batch(seed=9, device=device)
     losses = []
     for _ in range(4):
         opt.zero_grad()

@@ -28,24 +28,6 @@ def _config(kind: str, tp: int):
                           **extra)
 
 
-def _full_params(model) -> dict:
-    """Every parameter as the whole tensor (TP shards all-gathered along partition_dim)."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    out = {}
-    for n, p in model.named_parameters():
-        t = p.detach()
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            torch.distributed.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
-        out[n] = t.clone()
-    return out
-
-
-@torch.no_grad()
 def _logits(model, data) -> torch.Tensor:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -81,7 +63,7 @@ def check(kind: str, root: str) -> None:
         fresh = _logits(model, data)
         if saved is not None:
             _load(model, os.path.join(root, f"{kind}_{step - 1}"))
-            params, logits = _full_params(model), _logits(model, data)
+            params, logits = harness.full_params(model), _logits(model, data)
             assert params.keys() == saved["params"].keys()
             for n, t in params.items():
                 assert torch.equal(t, saved["params"][n]), f"[{kind}] {n} differs after load at TP={tp}"
@@ -93,7 +75,7 @@ def check(kind: str, root: str) -> None:
                   f"TP={saved['tp']}->TP={tp} {harness.describe()} params_bitwise={len(params)} "
                   f"mhc_params={n_mhc} logits_rel_err={err:.2e}", flush=True)
         _save(model, os.path.join(root, f"{kind}_{step}"))
-        saved = {"tp": tp, "params": _full_params(model), "logits": _logits(model, data)}
+        saved = {"tp": tp, "params": harness.full_params(model), "logits": _logits(model, data)}
 
 
 def main():

@@ -76,18 +76,8 @@ def check(dispatcher: str, recompute: bool) -> None:
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
 
-    worst, checked_mhc = 0.0, 0
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if getattr(p, "allreduce", True):  # dense params: DP's sum over the two ranks
-            torch.distributed.all_reduce(g)
-        else:
-            assert ".experts." in n, n
-        expect = ref_grads[names[n]]
-        torch.testing.assert_close(g, expect, rtol=2e-4, atol=2e-6,
-                                   msg=lambda m, n=n: f"[ep=2 {dispatcher} rc={recompute}] grad of {n}: {m}")
-        worst = max(worst, harness.relative_error(g, expect))
-        checked_mhc += "hyper_connection" in n
+    worst = harness.ep_grad_errors(model, names, ref_grads, f"ep=2 {dispatcher} rc={recompute}")
+    checked_mhc = sum("hyper_connection" in n for n, _ in model.named_parameters())
     assert checked_mhc == 2 * 3 * cfg.num_layers
     print(f"PASS rank={rank} ep=2 dispatcher={dispatcher} recompute={recompute} {harness.describe()} "
           f"loss={loss.item():.6f} ref={ref_loss.item():.6f} worst_grad_rel_err={worst:.2e} "

@@ -109,3 +109,40 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     denom = b.norm().item()
     return (a - b).norm().item() / denom if denom else (a - b).norm().item()
+
+
+def full_params(model, name=lambda n: n) -> dict:
+    """Every parameter of ``model`` as the whole tensor (TP shards all-gathered along
+    ``partition_dim``), keyed by ``name(parameter name)``."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.detach()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            torch.distributed.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        out[name(n)] = t.clone()
+    return out
+
+
+def ep_grad_errors(model, names: dict, ref_grads: dict, label: str) -> float:
+    """Compare every gradient of an EP=2 ``model`` with the EP=1 reference's (``names``: this
+    model's parameter name -> the reference's): dense parameters summed over the two (data
+    parallel) ranks first, expert parameters as they are. Returns the worst relative error."""
+    worst = 0.0
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if getattr(p, "allreduce", True):  # dense params: DP's sum over the two ranks
+            torch.distributed.all_reduce(g)
+        else:
+            assert ".experts." in n, n
+        expect = ref_grads[names[n]]
+        torch.testing.assert_close(g, expect, rtol=2e-4, atol=2e-6,
+                                   msg=lambda m, n=n: f"[{label}] grad of {n}: {m}")
+        worst = max(worst, relative_error(g, expect))
+    return worst
+

@@ -316,17 +316,8 @@ def check_ep(dispatcher: str, recompute: bool, pattern: str = "*E*E") -> None:
     loss = lm_loss(model, data)
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    worst = 0.0
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if getattr(p, "allreduce", True):  # dense params: DP's sum over the two ranks
-            torch.distributed.all_reduce(g)
-        else:
-            assert ".experts." in n, n
-        expect = ref_grads[names[n]]
-        torch.testing.assert_close(g, expect, rtol=2e-4, atol=2e-6,
-                                   msg=lambda m, n=n: f"[ep=2 {dispatcher} rc={recompute}] grad of {n}: {m}")
-        worst = max(worst, harness.relative_error(g, expect))
+    worst = harness.ep_grad_errors(model, names, ref_grads,
+                                   f"ep=2 {dispatcher} rc={recompute}")
     n_mhc = _mhc_count(names)
     assert n_mhc == 3 * len(pattern), n_mhc
     if recompute:
@@ -419,21 +410,11 @@ PP_CASES = (("dense", "*-|*-", None, False), ("dense", "*-|*-|*-|*-", 2, False),
 
 # ---------------------------------------------------------------------------- checkpoints
 def _full_params(model) -> dict:
-    """Every parameter of ``model`` as the whole tensor (TP shards all-gathered along
-    partition_dim), by global name."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    out = {}
-    for n, p in model.named_parameters():
-        t = p.detach()
-        if tp > 1 and getattr(p, "tensor_model_parallel", False):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            torch.distributed.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
-        out[_global(n, model) if hasattr(model, "hybrid_layer_pattern") else n] = t.clone()
-    return out
+    """Every parameter as the whole tensor, by global name (hybrid layers renumbered
+    globally)."""
+    if hasattr(model, "hybrid_layer_pattern"):
+        return harness.full_params(model, lambda n: _global(n, model))
+    return harness.full_params(model)
 
 
 def _logits(models, data, vp=None):
