@@ -26,6 +26,7 @@ the MTP layer's norm. With pipeline stages (``|``) the boundaries carry ``[s, b,
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Union
@@ -112,10 +113,9 @@ class HyperConnectionMambaLayer(MambaLayer):
         streams = streams_in(hidden_states, self.n, self.config.hidden_size,
                              expands=self.layer_number == 1)
         manager = self.mhc_recompute_manager
-        if manager is None:
-            return run_sublayer(super().forward, self.mixer_hyper_connection, self.mamba_bda,
-                                streams, *args, **kwargs)
-        with manager.layer_scope(self.layer_number, self.mhc_chunk_offset):
+        scope = (contextlib.nullcontext() if manager is None
+                 else manager.layer_scope(self.layer_number, self.mhc_chunk_offset))
+        with scope:
             return run_sublayer(super().forward, self.mixer_hyper_connection, self.mamba_bda,
                                 streams, *args, **kwargs)
 
