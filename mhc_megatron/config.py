@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from mhc_megatron._logging import log_rank0
 from mhc_megatron.kernels import KERNEL_BACKENDS
+from mhc_megatron.kernels.reference import PAPER, MappingForm
 
 _logger = logging.getLogger(__name__)
 
@@ -74,6 +75,25 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_rms_eps: float = 1e-6
     """Epsilon of the RMS normalisation of the flattened streams (fp32)."""
 
+    mhc_mapping_form: Literal["paper", "deepseek_v4"] = "paper"
+    """How the per-token logits become the mappings. "paper" (arXiv 2512.24880): H_pre =
+    sigmoid, H_post = 2 sigmoid, H_res = log-domain Sinkhorn-Knopp of exp(logits).
+    "deepseek_v4" (DeepSeek-V4; Hugging Face's ``DeepseekV4HyperConnection``): H_pre = sigmoid
+    + eps, H_post = 2 sigmoid, H_res = a row softmax + eps, one column normalisation, then
+    ``mhc_sinkhorn_iterations - 1`` row and column normalisations, each dividing by
+    (sum + eps), with eps = ``mhc_mapping_eps``. The parameters (phi, alpha, bias) are the same
+    in both forms. The fused Triton kernels compute "paper" only: "auto" runs the PyTorch
+    reference for "deepseek_v4", "triton" is refused."""
+
+    mhc_mapping_eps: float = 1e-6
+    """eps of the "deepseek_v4" mapping form (DeepSeek-V4's ``hc_eps``); unused by "paper"."""
+
+    mhc_res_transposed: bool = False
+    """Mix the streams with H_res transposed, ``x'_i = sum_j H_res[j, i] x_j`` (DeepSeek-V4's
+    ``comb^T @ h``), instead of the paper's ``H_res x``. H_res is doubly stochastic but not
+    symmetric, so a checkpoint trained one way computes another function the other way. As
+    ``mhc_mapping_form``: the PyTorch reference only."""
+
     mhc_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Which implementation of the mHC ops runs: "reference" (PyTorch, fp32 inside),
     "triton" (fused kernels; refused with a clear error where they cannot run) or
@@ -104,6 +124,13 @@ class MHCTransformerConfig(TransformerConfig):
         # And after: Megatron derives some fields (cuda_graph_impl from enable_cuda_graph,
         # the virtual pipeline size from num_layers_per_virtual_pipeline_stage, ...).
         validate_mhc_config(self)
+
+    @property
+    def mhc_mapping(self) -> MappingForm:
+        """The mapping form the mHC ops compute (``mhc_mapping_form``, ``mhc_mapping_eps``,
+        ``mhc_res_transposed``)."""
+        return MappingForm(self.mhc_mapping_form, float(self.mhc_mapping_eps),
+                           self.mhc_res_transposed)
 
     @property
     def mhc_recompute_block_size(self) -> int:
@@ -182,6 +209,22 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if config.mhc_params_dtype not in PARAMS_DTYPES:
         _fail("mhc_params_dtype", f"must be one of {PARAMS_DTYPES}, got {config.mhc_params_dtype!r}",
               "use None (the default: follow params_dtype) or torch.float32")
+    if config.mhc_mapping_form not in ("paper", "deepseek_v4"):
+        _fail("mhc_mapping_form", f"must be 'paper' or 'deepseek_v4', got "
+              f"{config.mhc_mapping_form!r}", "use 'paper' (the default) or 'deepseek_v4'")
+    e = config.mhc_mapping_eps
+    if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or e <= 0:
+        _fail("mhc_mapping_eps", f"must be a finite float > 0, got {e!r}",
+              "use DeepSeek-V4's 1e-6 (the default)")
+    if not isinstance(config.mhc_res_transposed, bool):
+        _fail("mhc_res_transposed", f"must be a bool, got {config.mhc_res_transposed!r}",
+              "pass True (DeepSeek-V4's H_res^T x) or False (the paper's H_res x)")
+    if config.mhc_kernel_backend == "triton" and config.mhc_mapping != PAPER:
+        _fail("mhc_kernel_backend / mhc_mapping_form / mhc_res_transposed",
+              "the fused Triton kernels compute the paper's mappings (mhc_mapping_form='paper', "
+              "mhc_res_transposed=False) only",
+              "set mhc_kernel_backend='auto' or 'reference' (the PyTorch reference computes "
+              "every form), or keep the paper's form")
     if config.mhc_kernel_backend not in KERNEL_BACKENDS:
         _fail("mhc_kernel_backend", f"unknown backend {config.mhc_kernel_backend!r}",
               f"use one of {KERNEL_BACKENDS}")

@@ -207,3 +207,52 @@ def test_h_res_gets_almost_no_gradient_while_the_streams_are_equal(static):
     assert post_g > 1e-2 and res_equal < bound * post_g, (post_g, res_equal)
     post_g, res_distinct = post_and_res_grads(h + 0.3 * torch.randn(t, n, c, dtype=torch.float64))
     assert res_distinct > 1e-2 * post_g and res_distinct > 5 * res_equal, (res_distinct, res_equal)
+
+
+DSV4 = ref.MappingForm("deepseek_v4", eps=1e-6)
+
+
+def test_deepseek_v4_sinkhorn_is_its_definition():
+    """The DeepSeek-V4 Sinkhorn, written out once more by hand from its definition (row
+    softmax + eps, a column normalisation, then iterations - 1 row and column normalisations,
+    each dividing by sum + eps), in fp64; it ends on a column normalisation, so its columns
+    sum to 1 up to eps."""
+    g = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(6, 4, 4, generator=g, dtype=torch.float64)
+    eps = 1e-6
+    m = logits.exp() / logits.exp().sum(-1, keepdim=True) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(19):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    got = ref.sinkhorn_deepseek_v4(logits, 20, eps)
+    torch.testing.assert_close(got, m, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.sum(-2), torch.ones(6, 4, dtype=torch.float64), atol=1e-5,
+                               rtol=0)
+
+
+def test_deepseek_v4_form_and_transposition():
+    """``deepseek_v4``: H_pre is the paper's sigmoid + eps, H_post the paper's; ``transposed``
+    returns the Sinkhorn matrix transposed (what the combine then mixes with)."""
+    x, phi, alpha, bias = (t.double() for t in _random_problem(5, 4, 8, seed=3))
+    paper = ref.compute_mappings(x, phi, alpha, bias, 20, 1e-6)
+    ds = ref.compute_mappings(x, phi, alpha, bias, 20, 1e-6, DSV4)
+    ds_t = ref.compute_mappings(x, phi, alpha, bias, 20, 1e-6,
+                                ref.MappingForm("deepseek_v4", eps=1e-6, transposed=True))
+    torch.testing.assert_close(ds[0], paper[0] + 1e-6)
+    torch.testing.assert_close(ds[1], paper[1])
+    torch.testing.assert_close(ds_t[2], ds[2].transpose(-1, -2))
+    assert not torch.allclose(ds[2], ds[2].transpose(-1, -2))  # not symmetric: the order matters
+    paper_t = ref.compute_mappings(x, phi, alpha, bias, 20, 1e-6, ref.MappingForm(transposed=True))
+    torch.testing.assert_close(paper_t[2], paper[2].transpose(-1, -2))
+
+
+def test_gradcheck_deepseek_v4_mappings_float64():
+    x, phi, alpha, bias = _random_problem(3, 2, 3, dtype=torch.float64, seed=1)
+    args = [a.double().requires_grad_() for a in (x, phi, alpha, bias)]
+    form = ref.MappingForm("deepseek_v4", eps=1e-6, transposed=True)
+
+    def fn(x, phi, alpha, bias):
+        return ref.compute_mappings(x, phi, alpha, bias, 5, 1e-6, form)
+
+    assert torch.autograd.gradcheck(fn, args)

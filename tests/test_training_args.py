@@ -67,6 +67,17 @@ def test_flags_reach_the_config(monkeypatch):
     assert (c.mhc_init_static_mapping, c.mhc_init_res_diagonal) == ("zero", 0.5)
 
 
+def test_deepseek_v4_mapping_flags_reach_the_config(monkeypatch):
+    c = mhc_transformer_config_from_args(_args(
+        "--enable-hyper-connections", "--mhc-mapping-form", "deepseek_v4", "--mhc-mapping-eps",
+        "1e-5", "--mhc-res-transposed", monkeypatch=monkeypatch))
+    assert (c.mhc_mapping_form, c.mhc_mapping_eps, c.mhc_res_transposed) == (
+        "deepseek_v4", 1e-5, True)
+    c = mhc_transformer_config_from_args(_args("--enable-hyper-connections",
+                                               monkeypatch=monkeypatch))
+    assert (c.mhc_mapping_form, c.mhc_res_transposed) == ("paper", False)
+
+
 def test_megatron_lm_in_tree_names_are_aliases(monkeypatch):
     args = _args("--enable-mhc-connections", "--mhc-num-residual-streams", "2",
                  "--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mhc",

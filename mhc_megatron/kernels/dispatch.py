@@ -5,6 +5,8 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 
 * ``pre(x, phi, alpha, bias, iterations, eps, n=None) -> (y, h_pre, h_post, h_res)``: the
   dynamic mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
+  the reference also takes ``form=`` (a :class:`~mhc_megatron.kernels.reference.MappingForm`:
+  the paper's mappings, or DeepSeek-V4's), the fused kernels the paper's form only;
 * ``combine(x, f, f_bias, h_res, h_post, n=None) -> x'``: expand-combine;
 * ``aggregate(x, h_pre, n=None) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit
   (what ``mhc_recompute`` replays in backward instead of the whole of pre);
@@ -63,10 +65,10 @@ class MHCOps:
 # The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
 # view of the embeddings, stream stride 0) is copied, so that the reference runs the same ops
 # on the same values as on materialised streams (the fused ops read the view as it is).
-def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None):
+def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None, form=reference.PAPER):
     x = x.contiguous()
     y, h_pre, h_post, h_res = reference.pre(reference.as_tokens(x, n), phi, alpha, bias,
-                                            iterations, eps)
+                                            iterations, eps, form)
     return _in_layout_of(y, x, n), h_pre, h_post, h_res
 
 
@@ -172,9 +174,11 @@ def triton_unsupported_reason(x: Tensor, n: int | None = None) -> str | None:
     return None
 
 
-def select_ops(backend: str, x: Tensor, n: int | None = None) -> MHCOps:
+def select_ops(backend: str, x: Tensor, n: int | None = None,
+               form: reference.MappingForm = reference.PAPER) -> MHCOps:
     """The :class:`MHCOps` that ``backend`` ("auto" | "triton" | "reference") selects for ``x``
-    (``[T, n, C]``, or the streams ``[..., n*C]`` with ``n`` given)."""
+    (``[T, n, C]``, or the streams ``[..., n*C]`` with ``n`` given) and the mapping ``form``
+    (the fused kernels compute the paper's form only)."""
     if backend == "reference":
         return REFERENCE_OPS
     if backend not in ("auto", "triton"):
@@ -182,6 +186,9 @@ def select_ops(backend: str, x: Tensor, n: int | None = None) -> MHCOps:
             f"mhc_kernel_backend={backend!r} is unknown. Fix: use one of {KERNEL_BACKENDS}."
         )
     reason = triton_unsupported_reason(x, n)
+    if reason is None and form != reference.PAPER:
+        reason = (f"the fused kernels compute the paper's mappings, not {form} "
+                  "(mhc_mapping_form / mhc_res_transposed)")
     if backend == "auto" and not x.is_cuda:
         reason = reason or "'auto' uses Triton on CUDA devices only"
     if reason is not None and backend == "triton":

@@ -22,12 +22,41 @@ Math per token, with ``v = vec(x)`` in R^{nC}:
     H_res  = SinkhornKnopp(alpha_res * Ht[2n:] + bias[2n:])       (doubly stochastic)
     y      = sum_i H_pre[i] * x[i]                                  (aggregate)
     x'[i]  = sum_j H_res[i, j] * x[j] + H_post[i] * (f + f_bias)    (expand-combine)
+
+That is the paper's form of the mappings (:data:`PAPER`). DeepSeek-V4's form
+(:class:`MappingForm` ``"deepseek_v4"``, with its ``eps``) differs in the activations, with
+``L = alpha_res * Ht[2n:] + bias[2n:]`` as ``[n, n]``:
+
+    H_pre  = sigmoid(alpha_pre * Ht[0:n] + bias[0:n]) + eps
+    M      = softmax(L, over each row) + eps; M /= (column sums + eps);
+             then t_max - 1 times: M /= (row sums + eps); M /= (column sums + eps)
+
+and ``transposed`` mixes the streams with ``M^T`` (``x'[i] = sum_j M[j, i] x[j]``, DeepSeek-V4's
+``comb^T @ h``): the mappings then return ``h_res = M^T``, so the combine is the same op.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MappingForm:
+    """How the per-token logits become the mappings (module docstring): ``name`` "paper"
+    (arXiv 2512.24880) or "deepseek_v4" (DeepSeek-V4's activations and Sinkhorn, with
+    ``eps``); ``transposed``: the streams are mixed with the transpose of the Sinkhorn matrix
+    (DeepSeek-V4), i.e. ``h_res`` is returned transposed."""
+
+    name: Literal["paper", "deepseek_v4"] = "paper"
+    eps: float = 1e-6
+    transposed: bool = False
+
+
+PAPER = MappingForm()
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -79,31 +108,53 @@ def sinkhorn(logits: Tensor, iterations: int) -> Tensor:
     return log_m.exp()
 
 
+def sinkhorn_deepseek_v4(logits: Tensor, iterations: int, eps: float) -> Tensor:
+    """DeepSeek-V4's Sinkhorn: ``[T, n, n]`` logits -> ``M`` (module docstring), fp32 (fp64
+    for fp64 logits): a row softmax plus ``eps``, a column normalisation, then
+    ``iterations - 1`` row and column normalisations, each dividing by ``sum + eps``."""
+    m = torch.softmax(_acc(logits), dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
 def mappings_from_projection(
-    ht: Tensor, alpha: Tensor, bias: Tensor, n: int, sinkhorn_iterations: int
+    ht: Tensor, alpha: Tensor, bias: Tensor, n: int, sinkhorn_iterations: int,
+    form: MappingForm = PAPER,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Scale + activations: ``ht [T, m]`` -> ``(h_pre [T,n], h_post [T,n], h_res [T,n,n])``."""
+    """Scale + activations: ``ht [T, m]`` -> ``(h_pre [T,n], h_post [T,n], h_res [T,n,n])``
+    in ``form`` (module docstring)."""
     alpha = _acc(alpha)
     bias = _acc(bias)
     pre = torch.sigmoid(alpha[0] * ht[:, :n] + bias[:n])
     post = 2.0 * torch.sigmoid(alpha[1] * ht[:, n : 2 * n] + bias[n : 2 * n])
     res_logits = (alpha[2] * ht[:, 2 * n :] + bias[2 * n :]).view(-1, n, n)
-    return pre, post, sinkhorn(res_logits, sinkhorn_iterations)
+    if form.name == "deepseek_v4":
+        pre = pre + form.eps
+        res = sinkhorn_deepseek_v4(res_logits, sinkhorn_iterations, form.eps)
+    else:
+        res = sinkhorn(res_logits, sinkhorn_iterations)
+    return pre, post, res.transpose(-1, -2) if form.transposed else res
 
 
 def compute_mappings(
-    x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sinkhorn_iterations: int, eps: float
+    x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sinkhorn_iterations: int, eps: float,
+    form: MappingForm = PAPER,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The dynamic mappings of eqs. 14-19 for ``x [T, n, C]`` (see module docstring)."""
+    """The dynamic mappings of eqs. 14-19 (in ``form``) for ``x [T, n, C]`` (see module
+    docstring)."""
     ht, _ = project_and_rms(x, phi, eps)
-    return mappings_from_projection(ht, alpha, bias, x.shape[1], sinkhorn_iterations)
+    return mappings_from_projection(ht, alpha, bias, x.shape[1], sinkhorn_iterations, form)
 
 
 def pre(
-    x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sinkhorn_iterations: int, eps: float
+    x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sinkhorn_iterations: int, eps: float,
+    form: MappingForm = PAPER,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Mappings then aggregate: ``(y [T, C], h_pre [T, n], h_post [T, n], h_res [T, n, n])``."""
-    h_pre, h_post, h_res = compute_mappings(x, phi, alpha, bias, sinkhorn_iterations, eps)
+    h_pre, h_post, h_res = compute_mappings(x, phi, alpha, bias, sinkhorn_iterations, eps, form)
     return aggregate(x, h_pre), h_pre, h_post, h_res
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from mhc_megatron.config import MHCTransformerConfig
 from mhc_megatron.kernels import select_ops
-from mhc_megatron.kernels.reference import num_mapping_coefficients
+from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients
 from mhc_megatron.layers.streams import is_broadcast_streams
 from mhc_megatron.recompute.manager import record_as, run_recorded
 
@@ -61,7 +61,9 @@ class HyperConnectionModule(MegatronModule):
     materialised; the combine's output is ``[s, b, n*C]`` either way).
     ``pre`` computes the mappings and the sublayer input ``y = sum_i H_pre[i] x_i``
     (``[s, b, C]``); ``combine`` returns ``x' = H_res x + H_post^T dropout(f + bias)``
-    (``[s, b, n*C]``). The math is in :mod:`mhc_megatron.kernels.reference`; which
+    (``[s, b, n*C]``). The mappings are in the config's form (``config.mhc_mapping``: the
+    paper's, or DeepSeek-V4's with ``H_res`` transposed). The math is in
+    :mod:`mhc_megatron.kernels.reference`; which
     implementation runs is chosen per call from ``config.mhc_kernel_backend``. With
     ``mhc_recompute`` their large outputs are recomputed in backward instead of stored: the
     combine's streams (:func:`~mhc_megatron.recompute.run_recorded`) and pre's ``y``, by the
@@ -84,6 +86,7 @@ class HyperConnectionModule(MegatronModule):
         super().__init__(config=config)
         self.n = config.num_residual_streams
         self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        self.mapping = getattr(config, "mhc_mapping", PAPER)
         m = num_mapping_coefficients(self.n)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.params_dtype = getattr(config, "mhc_params_dtype", None)
@@ -138,7 +141,7 @@ class HyperConnectionModule(MegatronModule):
             )
 
     def _ops(self, streams: Tensor):
-        return select_ops(self.config.mhc_kernel_backend, streams, self.n)
+        return select_ops(self.config.mhc_kernel_backend, streams, self.n, self.mapping)
 
     def _op_input(self, streams: Tensor) -> tuple[Tensor, int | None]:
         """``(x, n)`` as the ops take the streams: ``[s, b, n*C]`` as they are with ``n``;
@@ -164,9 +167,12 @@ class HyperConnectionModule(MegatronModule):
         self._check_streams(streams)
         ops = self._ops(streams)
         x, n = self._op_input(streams)
+        # the paper's form is every backend's default; another form runs on the reference,
+        # which takes it (select_ops)
+        form = {} if self.mapping == PAPER else {"form": self.mapping}
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps, n=n)
+                                          self.config.mhc_rms_eps, n=n, **form)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
         # kept per-token mappings
         record_as(y, ops.aggregate, x, h_pre, n=n)

@@ -125,6 +125,15 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="H_res diagonal at step 0 for the residual static mapping, in [1/n, 1).")
     g.add_argument("--mhc-rms-eps", type=float, default=_default("mhc_rms_eps"),
                    help="Epsilon of the fp32 RMS of the flattened streams.")
+    g.add_argument("--mhc-mapping-form", choices=("paper", "deepseek_v4"),
+                   default=_default("mhc_mapping_form"),
+                   help="How the logits become the mappings: paper (sigmoid; log-domain "
+                        "Sinkhorn) or deepseek_v4 (sigmoid + eps; row softmax + eps, then "
+                        "Sinkhorn dividing by sum + eps). The fused kernels compute paper only.")
+    g.add_argument("--mhc-mapping-eps", type=float, default=_default("mhc_mapping_eps"),
+                   help="eps of the deepseek_v4 mapping form (DeepSeek-V4's hc_eps).")
+    g.add_argument("--mhc-res-transposed", action="store_true",
+                   help="Mix the streams with H_res transposed (DeepSeek-V4's comb^T h).")
     g.add_argument("--mhc-kernel-backend", choices=KERNEL_BACKENDS,
                    default=_default("mhc_kernel_backend"),
                    help="auto: fused Triton kernels on CUDA, else the PyTorch reference.")
