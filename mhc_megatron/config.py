@@ -75,9 +75,19 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_rms_eps: float = 1e-6
     """Epsilon of the RMS normalisation of the flattened streams (fp32)."""
 
-    mhc_mapping_form: Literal["paper", "deepseek_v4"] = "paper"
-    """How the per-token logits become the mappings. "paper" (arXiv 2512.24880): H_pre =
-    sigmoid, H_post = 2 sigmoid, H_res = log-domain Sinkhorn-Knopp of exp(logits).
+    mhc_variant: Literal["paper", "deepseek_v4"] = "paper"
+    """The conventions, as one preset. "paper" (arXiv 2512.24880): the defaults of the fields
+    below. "deepseek_v4" (DeepSeek-V4, as Hugging Face's ``modeling_deepseek_v4`` implements
+    it): ``mhc_mapping_form="deepseek_v4"``, ``mhc_res_transposed=True``,
+    ``mhc_output_head=True`` (one head per final norm: the decoder's and each MTP depth's), and
+    the mapping parameters stored in fp32 (``mhc_params_dtype=torch.float32``). Each of those
+    fields left unset (None) takes the preset's value; one set to another value is refused (use
+    ``mhc_variant="paper"`` and the single fields for a mix)."""
+
+    mhc_mapping_form: Optional[Literal["paper", "deepseek_v4"]] = None
+    """How the per-token logits become the mappings (None: ``mhc_variant``'s). "paper" (arXiv
+    2512.24880): H_pre = sigmoid, H_post = 2 sigmoid, H_res = log-domain Sinkhorn-Knopp of
+    exp(logits).
     "deepseek_v4" (DeepSeek-V4; Hugging Face's ``DeepseekV4HyperConnection``): H_pre = sigmoid
     + eps, H_post = 2 sigmoid, H_res = a row softmax + eps, one column normalisation, then
     ``mhc_sinkhorn_iterations - 1`` row and column normalisations, each dividing by
@@ -88,11 +98,20 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_mapping_eps: float = 1e-6
     """eps of the "deepseek_v4" mapping form (DeepSeek-V4's ``hc_eps``); unused by "paper"."""
 
-    mhc_res_transposed: bool = False
-    """Mix the streams with H_res transposed, ``x'_i = sum_j H_res[j, i] x_j`` (DeepSeek-V4's
+    mhc_res_transposed: Optional[bool] = None
+    """(None: ``mhc_variant``'s, False for "paper".) Mix the streams with H_res transposed, ``x'_i = sum_j H_res[j, i] x_j`` (DeepSeek-V4's
     ``comb^T @ h``), instead of the paper's ``H_res x``. H_res is doubly stochastic but not
     symmetric, so a checkpoint trained one way computes another function the other way. As
     ``mhc_mapping_form``: the PyTorch reference only."""
+
+    mhc_output_head: Optional[bool] = None
+    """(None: ``mhc_variant``'s, False for "paper".) Contract the streams before the final norm (the decoder's, and each MTP depth's) with
+    DeepSeek-V4's learned head (its ``hc_head``): a per-token weighted sum ``sum_i w_i x_i``,
+    ``w = sigmoid(alpha * (vec(x) @ phi^T) / r + bias) + mhc_mapping_eps`` with its own
+    ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``, instead of the plain sum (the default).
+    Under the plain sum the last sublayer's H_res cancels out (its columns sum to 1, so
+    ``sum_i (H_res x)_i = sum_j x_j``) and never learns; the learned head weighs the streams
+    apart. PyTorch ops."""
 
     mhc_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Which implementation of the mHC ops runs: "reference" (PyTorch, fp32 inside),
@@ -107,7 +126,7 @@ class MHCTransformerConfig(TransformerConfig):
 
     mhc_params_dtype: Optional[torch.dtype] = None
     """Storage dtype of the mapping parameters (phi, alpha, bias). None (default): follow
-    ``params_dtype`` like every other weight. torch.float32 (as Megatron-LM's in-tree mHC):
+    ``params_dtype`` like every other weight (with ``mhc_variant="deepseek_v4"``: fp32). torch.float32 (as Megatron-LM's in-tree mHC):
     they stay fp32 through Float16Module and any model-wide dtype cast, so the forward never
     sees bf16-rounded H_res logits. Megatron-Core 0.19.2's optimisers train such a model but
     do not checkpoint it by themselves: apply
@@ -129,8 +148,8 @@ class MHCTransformerConfig(TransformerConfig):
     def mhc_mapping(self) -> MappingForm:
         """The mapping form the mHC ops compute (``mhc_mapping_form``, ``mhc_mapping_eps``,
         ``mhc_res_transposed``)."""
-        return MappingForm(self.mhc_mapping_form, float(self.mhc_mapping_eps),
-                           self.mhc_res_transposed)
+        return MappingForm(mhc_setting(self, "mhc_mapping_form"), float(self.mhc_mapping_eps),
+                           mhc_setting(self, "mhc_res_transposed"))
 
     @property
     def mhc_recompute_block_size(self) -> int:
@@ -151,6 +170,42 @@ class MHCMLATransformerConfig(MLATransformerConfig, MHCTransformerConfig):
     that ``MHCTransformerConfig`` inherits. ``__post_init__`` runs MLA's, then ours
     (validation), then ``TransformerConfig``'s, through the cooperative ``super()`` chain.
     """
+
+
+# The values each preset gives the fields it covers, where they are None.
+VARIANTS = {
+    "paper": {"mhc_mapping_form": "paper", "mhc_res_transposed": False,
+              "mhc_output_head": False},
+    "deepseek_v4": {"mhc_mapping_form": "deepseek_v4", "mhc_res_transposed": True,
+                    "mhc_output_head": True, "mhc_params_dtype": torch.float32},
+}
+
+
+def mhc_setting(config, name: str):
+    """The value of the mHC field ``name`` in effect: the field itself where set, else what
+    ``config.mhc_variant`` gives it (None where neither does). Works for any config (a plain
+    ``TransformerConfig`` has neither: None)."""
+    value = getattr(config, name, None)
+    if value is None:
+        value = VARIANTS.get(getattr(config, "mhc_variant", "paper"), {}).get(name)
+    return value
+
+
+def _validate_variant(config) -> None:
+    """``mhc_variant`` is known, and no field it covers is set to another value."""
+    if config.mhc_variant not in VARIANTS:
+        _fail("mhc_variant", f"must be one of {sorted(VARIANTS)}, got {config.mhc_variant!r}",
+              "use 'paper' (the default) or 'deepseek_v4'")
+    if config.mhc_variant == "paper":
+        return
+    for field, value in VARIANTS[config.mhc_variant].items():
+        current = getattr(config, field)
+        if current is not None and current != value:
+            _fail(f"mhc_variant / {field}",
+                  f"mhc_variant={config.mhc_variant!r} sets {field}={value!r}, but it is "
+                  f"{current!r}",
+                  f"leave {field} unset (None) with the preset, or use mhc_variant='paper' and "
+                  "set the fields one by one")
 
 
 def _derive_pipeline_fields(config) -> None:
@@ -209,16 +264,22 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if config.mhc_params_dtype not in PARAMS_DTYPES:
         _fail("mhc_params_dtype", f"must be one of {PARAMS_DTYPES}, got {config.mhc_params_dtype!r}",
               "use None (the default: follow params_dtype) or torch.float32")
-    if config.mhc_mapping_form not in ("paper", "deepseek_v4"):
+    _validate_variant(config)
+    if config.mhc_mapping_form not in (None, "paper", "deepseek_v4"):
         _fail("mhc_mapping_form", f"must be 'paper' or 'deepseek_v4', got "
-              f"{config.mhc_mapping_form!r}", "use 'paper' (the default) or 'deepseek_v4'")
+              f"{config.mhc_mapping_form!r}", "use 'paper', 'deepseek_v4' or None (the preset's)")
     e = config.mhc_mapping_eps
     if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e) or e <= 0:
         _fail("mhc_mapping_eps", f"must be a finite float > 0, got {e!r}",
               "use DeepSeek-V4's 1e-6 (the default)")
-    if not isinstance(config.mhc_res_transposed, bool):
-        _fail("mhc_res_transposed", f"must be a bool, got {config.mhc_res_transposed!r}",
-              "pass True (DeepSeek-V4's H_res^T x) or False (the paper's H_res x)")
+    if config.mhc_output_head is not None and not isinstance(config.mhc_output_head, bool):
+        _fail("mhc_output_head", f"must be a bool or None, got {config.mhc_output_head!r}",
+              "pass True (DeepSeek-V4's learned head), False (the plain sum) or None (the "
+              "preset's)")
+    if config.mhc_res_transposed is not None and not isinstance(config.mhc_res_transposed, bool):
+        _fail("mhc_res_transposed", f"must be a bool or None, got {config.mhc_res_transposed!r}",
+              "pass True (DeepSeek-V4's H_res^T x), False (the paper's H_res x) or None (the "
+              "preset's)")
     if config.mhc_kernel_backend == "triton" and config.mhc_mapping != PAPER:
         _fail("mhc_kernel_backend / mhc_mapping_form / mhc_res_transposed",
               "the fused Triton kernels compute the paper's mappings (mhc_mapping_form='paper', "

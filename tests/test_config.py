@@ -62,6 +62,17 @@ REFUSED = {
     "mapping_eps_zero": (dict(mhc_mapping_eps=0.0), "mhc_mapping_eps"),
     "mapping_eps_inf": (dict(mhc_mapping_eps=float("inf")), "mhc_mapping_eps"),
     "res_transposed_not_bool": (dict(mhc_res_transposed=1), "mhc_res_transposed"),
+    "output_head_not_bool": (dict(mhc_output_head="yes"), "mhc_output_head"),
+    "variant_unknown": (dict(mhc_variant="deepseek_v3"), "mhc_variant"),
+    # a preset and a field it sets, set to another value: refused, not overridden
+    "variant_vs_mapping_form": (dict(mhc_variant="deepseek_v4", mhc_mapping_form="paper"),
+                                "mhc_variant / mhc_mapping_form"),
+    "variant_vs_output_head": (dict(mhc_variant="deepseek_v4", mhc_output_head=False),
+                               "mhc_variant / mhc_output_head"),
+    "variant_vs_params_dtype": (dict(mhc_variant="deepseek_v4", mhc_params_dtype=torch.bfloat16),
+                                "mhc_params_dtype"),
+    "variant_with_triton": (dict(mhc_variant="deepseek_v4", mhc_kernel_backend="triton"),
+                            "mhc_kernel_backend / mhc_mapping_form"),
     # the fused kernels compute the paper's mappings only ("auto" runs the reference instead)
     "triton_with_deepseek_v4_form": (dict(mhc_kernel_backend="triton",
                                           mhc_mapping_form="deepseek_v4"), "mhc_mapping_form"),
@@ -209,3 +220,28 @@ def test_deprecated_cuda_graph_flag_is_accepted():
     with pytest.warns(UserWarning, match="enable_cuda_graph is deprecated"):
         config = MHCTransformerConfig(**{**BASE, "enable_cuda_graph": True})
     assert config.cuda_graph_impl == "local"
+
+
+def test_deepseek_v4_preset_sets_its_fields_and_replace_switches_it():
+    """``mhc_variant="deepseek_v4"`` gives DeepSeek-V4's mapping form, H_res transposed, the
+    learned output head and fp32 mapping parameters to the fields left unset; a field set to
+    the preset's own value is fine; ``dataclasses.replace`` switches the preset either way."""
+    import dataclasses
+
+    from mhc_megatron.config import mhc_setting
+    from mhc_megatron.kernels.reference import MappingForm
+
+    def settings(c):
+        return (c.mhc_mapping, mhc_setting(c, "mhc_output_head"),
+                mhc_setting(c, "mhc_params_dtype"))
+
+    ds = (MappingForm("deepseek_v4", 1e-6, True), True, torch.float32)
+    paper = (MappingForm("paper", 1e-6, False), False, None)
+    c = MHCTransformerConfig(**CONFIG_BASE, mhc_variant="deepseek_v4")
+    assert settings(c) == ds
+    assert settings(MHCTransformerConfig(**CONFIG_BASE, mhc_variant="deepseek_v4",
+                                         mhc_res_transposed=True)) == ds
+    assert settings(MHCTransformerConfig(**CONFIG_BASE)) == paper
+    assert settings(dataclasses.replace(c, mhc_variant="paper")) == paper
+    assert settings(dataclasses.replace(MHCTransformerConfig(**CONFIG_BASE),
+                                        mhc_variant="deepseek_v4")) == ds

@@ -202,3 +202,44 @@ def test_decoder_layer_residual_path_equals_hugging_face(seeded):
                       f"{sub} scale": (mine.alpha, other.scale)})
     for name, (mine, other) in pairs.items():
         _close(mine.grad, other.grad, f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n,c", [(4, 32), (3, 40)])
+def test_output_head_and_final_norm_equal_hugging_face(seeded, dtype, n, c):
+    """``mhc_output_head``: our final norm (the learned head, then Megatron's RMSNorm) ==
+    HF's ``DeepseekV4HyperHead`` then its model norm, forward and every gradient (streams,
+    ``hc_fn``/``phi``, ``hc_base``/``bias``, ``hc_scale``/``alpha``, the norm weight)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from mhc_megatron.layers import StreamContractingNorm
+
+    g = torch.Generator().manual_seed(n + c)
+    hf_cfg = _hf_config(n, c)
+    head = hf.DeepseekV4HyperHead(hf_cfg).to(dtype)
+    hf_norm = hf.DeepseekV4RMSNorm(c, eps=hf_cfg.rms_norm_eps).to(dtype)
+    ours = StreamContractingNorm(WrappedTorchNorm, config=_our_config(n, c, dtype,
+                                                                      mhc_output_head=True),
+                                 hidden_size=c, eps=hf_cfg.rms_norm_eps).to(dtype)
+    with torch.no_grad():
+        head.hc_fn.copy_(0.05 * torch.randn(head.hc_fn.shape, generator=g, dtype=torch.float64))
+        head.hc_base.copy_(torch.randn(n, generator=g, dtype=torch.float64))
+        head.hc_scale.copy_(0.5 + torch.rand(1, generator=g, dtype=torch.float64))
+        hf_norm.weight.copy_(1 + 0.1 * torch.randn(c, generator=g, dtype=torch.float64))
+        ours.head.phi.copy_(head.hc_fn)
+        ours.head.bias.copy_(head.hc_base)
+        ours.head.alpha.copy_(head.hc_scale)
+        ours.norm.weight.copy_(hf_norm.weight)
+    h = torch.randn(B, S, n, c, generator=g, dtype=torch.float64).to(dtype)
+    grad = torch.randn(B, S, c, generator=g, dtype=torch.float64).to(dtype)
+    h_t, h_o = h.clone().requires_grad_(), h.clone().requires_grad_()
+    out_t = hf_norm(head(h_t))
+    (out_t * grad).sum().backward()
+    out_o = ours(h_o.view(B, S, n * c))
+    (out_o * grad).sum().backward()
+    _close(out_o, out_t, "head + norm")
+    for name, mine, other in (("streams", h_o, h_t), ("fn", ours.head.phi, head.hc_fn),
+                              ("base", ours.head.bias, head.hc_base),
+                              ("scale", ours.head.alpha, head.hc_scale),
+                              ("norm", ours.norm.weight, hf_norm.weight)):
+        _close(mine.grad, other.grad, f"grad of {name}")

@@ -75,3 +75,77 @@ def test_forms_give_different_models(seeded, device):
     data = batch(device=device, seed=5)
     with torch.no_grad():
         assert not torch.allclose(paper(*data[:3]), ds(*data[:3]), rtol=1e-4, atol=1e-5)
+
+
+def _res_grad_of_last_sublayer(model) -> float:
+    """|grad| of the last decoder sublayer's H_res parameters (phi's H_res rows, alpha_res,
+    bias's H_res entries), relative to |grad| of its H_pre/H_post parameters."""
+    hc = model.decoder.layers[-1].mlp_hyper_connection
+    n = hc.n
+    res = torch.cat([hc.phi.grad[2 * n:].flatten(), hc.alpha.grad[2:], hc.bias.grad[2 * n:]])
+    other = torch.cat([hc.phi.grad[:2 * n].flatten(), hc.alpha.grad[:2], hc.bias.grad[:2 * n]])
+    return float(res.norm() / other.norm())
+
+
+def test_output_head_gives_the_last_h_res_a_gradient(seeded, device):
+    """Under the plain sum the last sublayer's H_res cancels out of the model (its columns sum
+    to 1): its parameters get no gradient beyond rounding. With ``mhc_output_head`` they do.
+    One head per final norm: the decoder's and each MTP depth's."""
+    data = batch(device=device, seed=6)
+    ratios = {}
+    for head in (False, True):
+        model = build_gpt(tiny_config(mhc_output_head=head), device)
+        with torch.no_grad():  # away from the uniform H_res of the zero init
+            for hc in _hyper_connections(model):
+                hc.bias.normal_()
+        lm_loss(model, data).backward()
+        ratios[head] = _res_grad_of_last_sublayer(model)
+        heads = [n for n, _ in model.named_parameters() if ".head." in n]
+        assert heads == (["decoder.final_layernorm.head.phi", "decoder.final_layernorm.head.alpha",
+                          "decoder.final_layernorm.head.bias"] if head else []), heads
+    assert ratios[False] < 1e-5 and ratios[True] > 1e-2, ratios
+
+
+def test_output_head_per_mtp_depth_and_in_the_hybrid_stack(seeded, device):
+    from megatron.core.models.gpt import GPTModel
+
+    from helpers import SEQ, VOCAB
+    from mhc_megatron.specs import (
+        get_gpt_decoder_block_with_mhc_spec,
+        get_gpt_mtp_block_with_mhc_spec,
+    )
+
+    cfg = tiny_config(mtp_num_layers=2, mhc_output_head=True, **DSV4)
+    block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
+    gpt = GPTModel(cfg, block, vocab_size=VOCAB, max_sequence_length=SEQ,
+                   position_embedding_type="rope",
+                   mtp_block_spec=get_gpt_mtp_block_with_mhc_spec(cfg, block, False)).to(device)
+    hybrid = build_hybrid_model(dataclasses.replace(cfg, num_layers=4, mtp_num_layers=1), device,
+                                "*-*-/*-")
+    for model, owners in ((gpt, {"decoder.final_layernorm", "mtp.layers.0.final_layernorm",
+                                 "mtp.layers.1.final_layernorm"}),
+                          (hybrid, {"decoder.final_norm", "mtp.layers.0.final_layernorm"})):
+        heads = {n.rsplit(".head.", 1)[0] for n, _ in model.named_parameters() if ".head." in n}
+        assert heads == owners, heads
+        lm_loss(model, batch(device=device, seed=7)).backward()
+        for name, p in model.named_parameters():
+            if ".head." in name:
+                assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_deepseek_v4_preset_is_its_fields(seeded, device):
+    """``mhc_variant="deepseek_v4"`` builds the model of its single fields (mapping form,
+    H_res transposed, output head) with fp32 mapping parameters: the same outputs from the
+    same weights; in a bf16 model its mapping parameters stay fp32."""
+    preset = build_gpt(tiny_config(mhc_variant="deepseek_v4"), device)
+    fields = build_gpt(tiny_config(mhc_output_head=True, mhc_params_dtype=torch.float32,
+                                   **DSV4), device)
+    fields.load_state_dict(preset.state_dict())
+    data = batch(device=device, seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(preset(*data[:3]), fields(*data[:3]), rtol=0, atol=0)
+    bf16 = build_gpt(tiny_config(mhc_variant="deepseek_v4", params_dtype=torch.bfloat16,
+                                 bf16=True), device).bfloat16()
+    mapping = {n: p.dtype for n, p in bf16.named_parameters()
+               if "hyper_connection" in n or ".head." in n}
+    assert mapping and set(mapping.values()) == {torch.float32}, mapping

@@ -68,14 +68,23 @@ def test_flags_reach_the_config(monkeypatch):
 
 
 def test_deepseek_v4_mapping_flags_reach_the_config(monkeypatch):
+    from mhc_megatron.config import mhc_setting
+    from mhc_megatron.kernels.reference import MappingForm
+
     c = mhc_transformer_config_from_args(_args(
         "--enable-hyper-connections", "--mhc-mapping-form", "deepseek_v4", "--mhc-mapping-eps",
-        "1e-5", "--mhc-res-transposed", monkeypatch=monkeypatch))
-    assert (c.mhc_mapping_form, c.mhc_mapping_eps, c.mhc_res_transposed) == (
-        "deepseek_v4", 1e-5, True)
+        "1e-5", "--mhc-res-transposed", "--mhc-output-head", monkeypatch=monkeypatch))
+    assert (c.mhc_mapping_form, c.mhc_mapping_eps, c.mhc_res_transposed, c.mhc_output_head) == (
+        "deepseek_v4", 1e-5, True, True)
     c = mhc_transformer_config_from_args(_args("--enable-hyper-connections",
                                                monkeypatch=monkeypatch))
-    assert (c.mhc_mapping_form, c.mhc_res_transposed) == ("paper", False)
+    assert c.mhc_mapping == MappingForm("paper", 1e-6, False)
+    assert not mhc_setting(c, "mhc_output_head")
+    c = mhc_transformer_config_from_args(_args("--enable-hyper-connections", "--mhc-variant",
+                                               "deepseek-v4", monkeypatch=monkeypatch))
+    assert (c.mhc_variant, c.mhc_mapping, mhc_setting(c, "mhc_output_head"),
+            mhc_setting(c, "mhc_params_dtype")) == (
+        "deepseek_v4", MappingForm("deepseek_v4", 1e-6, True), True, torch.float32)
 
 
 def test_megatron_lm_in_tree_names_are_aliases(monkeypatch):

@@ -158,6 +158,17 @@ def pre(
     return aggregate(x, h_pre), h_pre, h_post, h_res
 
 
+def output_head(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, rms_eps: float,
+                eps: float) -> Tensor:
+    """DeepSeek-V4's learned contraction of the streams (its ``hc_head``): ``[T, n, C]`` ->
+    ``[T, C]`` in ``x.dtype``, ``sum_i w_i x_i`` with per-token weights
+    ``w = sigmoid(alpha * (vec(x) @ phi^T) / r + bias) + eps`` (``phi [n, n*C]``,
+    ``alpha [1]``, ``bias [n]``, ``r`` the RMS of ``vec(x)`` with ``rms_eps``), in fp32."""
+    ht, _ = project_and_rms(x, phi, rms_eps)
+    w = torch.sigmoid(_acc(alpha) * ht + _acc(bias)) + eps
+    return aggregate(x, w)
+
+
 def aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
     """``y = sum_i h_pre[:, i] * x[:, i]``: ``[T, n, C]`` -> ``[T, C]`` in ``x.dtype``."""
     y = torch.einsum("tn,tnc->tc", _acc(h_pre), _acc(x))

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from mhc_megatron.config import MHCTransformerConfig
+from mhc_megatron.config import MHCTransformerConfig, mhc_setting
 from mhc_megatron.kernels import select_ops
-from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients
+from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients, output_head
 from mhc_megatron.layers.streams import is_broadcast_streams
 from mhc_megatron.recompute.manager import record_as, run_recorded
 
@@ -52,7 +52,80 @@ class StreamMappings:
     h_res: Tensor  # [T, n, n]
 
 
-class HyperConnectionModule(MegatronModule):
+class MappingParameters(MegatronModule):
+    """The parameters every mHC mapping has: ``phi [rows, n*C]`` (projection of the flattened
+    streams), ``alpha [alphas]`` (gating scalars) and ``bias [rows]`` (static part),
+    initialised by the subclass's :meth:`reset_parameters`. They are replicated on every
+    tensor-parallel rank and tagged ``sequence_parallel`` like Megatron's norm weights (under
+    sequence parallelism each TP rank sees other tokens, and ``finalize_model_grads`` sums
+    their gradients over the TP group). Stored in ``params_dtype``, or in
+    ``config.mhc_params_dtype`` when that is set, kept through model-wide dtype casts
+    (:meth:`_apply`)."""
+
+    def __init__(self, config, hidden_size: int | None, rows: int, alphas: int):
+        super().__init__(config=config)
+        self.n = config.num_residual_streams
+        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.params_dtype = mhc_setting(config, "mhc_params_dtype")
+        kwargs = dict(device=device, dtype=self.params_dtype or config.params_dtype)
+        self.phi = torch.nn.Parameter(torch.empty(rows, self.n * self.hidden_size, **kwargs))
+        self.alpha = torch.nn.Parameter(torch.empty(alphas, **kwargs))
+        self.bias = torch.nn.Parameter(torch.empty(rows, **kwargs))
+        if config.perform_initialization:
+            self.reset_parameters()
+        for p in (self.phi, self.alpha, self.bias):
+            p.sequence_parallel = config.sequence_parallel
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must initialise phi, alpha and bias")
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply as usual; dtype casts of the model (``Float16Module``'s
+        ``.bfloat16()``, ``model.to(dtype)``, ``.half()``) leave the mapping parameters (and
+        their grads) in ``mhc_params_dtype`` when that is set."""
+        pinned = self.params_dtype
+        if pinned is None:
+            return super()._apply(fn, recurse)
+
+        def keep_dtype(t):
+            out = fn(t)
+            return out.to(pinned) if out.is_floating_point() and out.dtype != pinned else out
+
+        return super()._apply(keep_dtype, recurse)
+
+
+class StreamOutputHead(MappingParameters):
+    """DeepSeek-V4's learned contraction of the streams (its ``hc_head``), used by the final
+    norm with ``mhc_output_head=True``: ``[s, b, n*C]`` -> ``[s, b, C]``, ``sum_i w_i x_i``
+    with per-token weights ``w = sigmoid(alpha * (vec(x) @ phi^T) / r + bias) + eps``
+    (:func:`mhc_megatron.kernels.reference.output_head`; ``eps`` = ``mhc_mapping_eps``, ``r``
+    with ``mhc_rms_eps``). ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``, initialised as
+    DeepSeek-V4's (``phi`` ~ ``config.init_method``, ``alpha`` = 1, ``bias`` = 0). Runs the
+    PyTorch reference (fp32 inside)."""
+
+    def __init__(self, config, hidden_size: int | None = None):
+        super().__init__(config, hidden_size, config.num_residual_streams, alphas=1)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.config.init_method(self.phi)
+        self.alpha.fill_(1.0)
+        self.bias.zero_()
+
+    def forward(self, streams: Tensor) -> Tensor:
+        s, b, width = streams.shape
+        if width != self.n * self.hidden_size:
+            raise ValueError(
+                f"the output head expects the residual streams [s, b, {self.n}*{self.hidden_size}]"
+                f", got {tuple(streams.shape)}. Fix: use mhc_megatron's specs for every layer.")
+        x = streams.reshape(s * b, self.n, self.hidden_size)
+        out = output_head(x, self.phi, self.alpha, self.bias, self.config.mhc_rms_eps,
+                          self.config.mhc_mapping_eps)
+        return out.view(s, b, self.hidden_size)
+
+
+class HyperConnectionModule(MappingParameters):
     """Dynamic manifold-constrained hyper-connection for one residual sublayer.
 
     Streams are ``[s, b, n*C]`` stream-major (stream ``i`` is ``x[..., i*C:(i+1)*C]``), or,
@@ -83,35 +156,9 @@ class HyperConnectionModule(MegatronModule):
     """
 
     def __init__(self, config, hidden_size: int | None = None):
-        super().__init__(config=config)
-        self.n = config.num_residual_streams
-        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        super().__init__(config, hidden_size, num_mapping_coefficients(config.num_residual_streams),
+                         alphas=3)
         self.mapping = getattr(config, "mhc_mapping", PAPER)
-        m = num_mapping_coefficients(self.n)
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.params_dtype = getattr(config, "mhc_params_dtype", None)
-        kwargs = dict(device=device, dtype=self.params_dtype or config.params_dtype)
-        self.phi = torch.nn.Parameter(torch.empty(m, self.n * self.hidden_size, **kwargs))
-        self.alpha = torch.nn.Parameter(torch.empty(3, **kwargs))
-        self.bias = torch.nn.Parameter(torch.empty(m, **kwargs))
-        if config.perform_initialization:
-            self.reset_parameters()
-        for p in (self.phi, self.alpha, self.bias):
-            p.sequence_parallel = config.sequence_parallel
-
-    def _apply(self, fn, recurse=True):
-        """Device moves apply as usual; dtype casts of the model (``Float16Module``'s
-        ``.bfloat16()``, ``model.to(dtype)``, ``.half()``) leave the mapping parameters (and
-        their grads) in ``mhc_params_dtype`` when that is set."""
-        pinned = self.params_dtype
-        if pinned is None:
-            return super()._apply(fn, recurse)
-
-        def keep_dtype(t):
-            out = fn(t)
-            return out.to(pinned) if out.is_floating_point() and out.dtype != pinned else out
-
-        return super()._apply(keep_dtype, recurse)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

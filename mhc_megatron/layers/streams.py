@@ -27,7 +27,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from mhc_megatron.config import hyper_connections_enabled
+from mhc_megatron.config import hyper_connections_enabled, mhc_setting
 
 
 def expand_streams(hidden_states: Tensor, n: int) -> Tensor:
@@ -71,9 +71,12 @@ class StreamContractingNorm(MegatronModule):
     Set it as ``TransformerBlockSubmodules.layer_norm`` through :meth:`wrapping`; the
     block calls it as ``layer_norm(config=, hidden_size=, eps=)``. Input ``[s, b, n*C]``
     (stream-major), output ``[s, b, C]``: ``norm_eps(sum_i x_i)``, computed overflow-free
-    as ``norm_{eps/n^2}(mean_i x_i)`` (module docstring). With
-    ``enable_hyper_connections=False`` it is the plain norm. The wrapped norm's parameters
-    appear as ``final_layernorm.norm.*``; ``self.eps`` is the configured epsilon.
+    as ``norm_{eps/n^2}(mean_i x_i)`` (module docstring); with ``mhc_output_head=True``
+    (n > 1), DeepSeek-V4's learned weighted sum instead, ``norm_eps(sum_i w_i x_i)``
+    (:class:`~mhc_megatron.layers.hyper_connection.StreamOutputHead`, parameters under
+    ``head.*``). With ``enable_hyper_connections=False`` it is the plain norm. The wrapped
+    norm's parameters appear as ``final_layernorm.norm.*``; ``self.eps`` is the configured
+    epsilon.
     """
 
     def __init__(self, norm, config, hidden_size: int, eps: float = 1e-5):
@@ -81,7 +84,15 @@ class StreamContractingNorm(MegatronModule):
         self.n = config.num_residual_streams if hyper_connections_enabled(config) else 1
         self.hidden_size = hidden_size
         self.eps = eps
-        self.norm = norm(config=config, hidden_size=hidden_size, eps=eps / self.n**2)
+        self.head = None
+        if self.n > 1 and mhc_setting(config, "mhc_output_head"):
+            from mhc_megatron.layers.hyper_connection import StreamOutputHead
+
+            # a learned weighted sum, not the mean: the norm takes it with its own eps
+            self.head = StreamOutputHead(config, hidden_size)
+            self.norm = norm(config=config, hidden_size=hidden_size, eps=eps)
+        else:
+            self.norm = norm(config=config, hidden_size=hidden_size, eps=eps / self.n**2)
 
     @classmethod
     def wrapping(cls, norm):
@@ -102,5 +113,6 @@ class StreamContractingNorm(MegatronModule):
                     f", got {tuple(hidden_states.shape)}. Fix: use HyperConnectionTransformerLayer"
                     " specs (mhc_megatron.specs) for every decoder layer."
                 )
-            hidden_states = contract_streams(hidden_states, self.n)
+            hidden_states = (contract_streams(hidden_states, self.n) if self.head is None
+                             else self.head(hidden_states))
         return self.norm(hidden_states)

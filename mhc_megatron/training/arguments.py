@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from mhc_megatron.config import MHCTransformerConfig
+from mhc_megatron.config import VARIANTS, MHCTransformerConfig
 from mhc_megatron.kernels import KERNEL_BACKENDS
 
 MHC_RECOMPUTE_MODULE = "mhc"  # Megatron-LM's in-tree name in --recompute-modules
@@ -36,6 +36,11 @@ _PERCENT_TOKEN = re.compile(r"%%|%\(\w+\)|%")
 
 def _default(field: str):
     return {f.name: f.default for f in dataclasses.fields(MHCTransformerConfig)}[field]
+
+
+def _variant(value: str) -> str:
+    """``deepseek-v4`` (the issue trackers' spelling) is ``deepseek_v4``."""
+    return value.replace("-", "_")
 
 
 def _params_dtype(value: str):
@@ -125,15 +130,28 @@ def add_mhc_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="H_res diagonal at step 0 for the residual static mapping, in [1/n, 1).")
     g.add_argument("--mhc-rms-eps", type=float, default=_default("mhc_rms_eps"),
                    help="Epsilon of the fp32 RMS of the flattened streams.")
+    g.add_argument("--mhc-variant", type=_variant, choices=sorted(VARIANTS),
+                   default=_default("mhc_variant"),
+                   help="The conventions as one preset: paper (default) or deepseek_v4 "
+                        "(also deepseek-v4): DeepSeek-V4's mapping form, H_res transposed, the "
+                        "learned output head and fp32 mapping parameters.")
     g.add_argument("--mhc-mapping-form", choices=("paper", "deepseek_v4"),
                    default=_default("mhc_mapping_form"),
                    help="How the logits become the mappings: paper (sigmoid; log-domain "
                         "Sinkhorn) or deepseek_v4 (sigmoid + eps; row softmax + eps, then "
-                        "Sinkhorn dividing by sum + eps). The fused kernels compute paper only.")
+                        "Sinkhorn dividing by sum + eps); default: the preset's. The fused "
+                        "kernels compute paper only.")
     g.add_argument("--mhc-mapping-eps", type=float, default=_default("mhc_mapping_eps"),
                    help="eps of the deepseek_v4 mapping form (DeepSeek-V4's hc_eps).")
-    g.add_argument("--mhc-res-transposed", action="store_true",
-                   help="Mix the streams with H_res transposed (DeepSeek-V4's comb^T h).")
+    g.add_argument("--mhc-res-transposed", action="store_const", const=True,
+                   default=_default("mhc_res_transposed"),
+                   help="Mix the streams with H_res transposed (DeepSeek-V4's comb^T h); "
+                        "default: the preset's.")
+    g.add_argument("--mhc-output-head", action="store_const", const=True,
+                   default=_default("mhc_output_head"),
+                   help="Contract the streams before the final norm with DeepSeek-V4's "
+                        "learned head (a per-token sigmoid-weighted sum) instead of the sum; "
+                        "default: the preset's.")
     g.add_argument("--mhc-kernel-backend", choices=KERNEL_BACKENDS,
                    default=_default("mhc_kernel_backend"),
                    help="auto: fused Triton kernels on CUDA, else the PyTorch reference.")
