@@ -60,7 +60,7 @@ def test_tensor_parallel_matches_single_rank(setup):
                   for kind, sp, rc in (("dense", False, False), ("dense", True, False),
                                        ("moe", True, False), ("dense", True, True),
                                        ("moe", True, True), ("dense", False, "full"),
-                                       ("moe", True, "full"))])
+                                       ("moe", True, "full"), ("dsv4", True, False))])
 
 
 @pytest.mark.distributed
@@ -103,7 +103,7 @@ def test_pipeline_parallel_matches_single_rank(setup):
                                        ("moe", None, False), ("moe", 2, False),
                                        ("dense", None, True), ("dense", 2, True),
                                        ("moe", None, True), ("mtp", None, False),
-                                       ("mtp", None, True))])
+                                       ("mtp", None, True), ("dsv4", None, False))])
 
 
 @pytest.mark.distributed

@@ -4,7 +4,8 @@ Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/tp_e
 (``harness.py``: CPU ranks over gloo, or GPUs over NCCL with the Triton kernels and TE specs
 where TE is installed.) Also with cross-layer mHC recompute on the TP=2 side (dense and MoE,
 sequence parallel), and with Megatron's full recompute (dense with its saved inputs distributed
-over TP, MoE with SP). Each rank first builds the TP=1 model (same seed -> same weights on both
+over TP, MoE with SP), and with DeepSeek-V4's conventions (``mhc_variant="deepseek_v4"``: its
+mappings, H_res transposed, the learned output head; with SP). Each rank first builds the TP=1 model (same seed -> same weights on both
 ranks), runs fwd+bwd, then rebuilds the model-parallel state with TP=2, loads the TP=1
 weights sharded along each parameter's partition_dim, runs fwd+bwd on the same batch, lets
 Megatron's own finalize step reduce the replicated (sequence-parallel) grads, and compares
@@ -23,6 +24,8 @@ from helpers import batch, lm_loss, moe_overrides
 
 def _config(kind, tp, sp, recompute=False, mhc=True):
     extra = moe_overrides() if kind == "moe" else {}
+    if kind == "dsv4":  # DeepSeek-V4's conventions: its mappings, H_res^T, the output head
+        extra = dict(mhc_variant="deepseek_v4")
     if not mhc:
         extra.update(enable_hyper_connections=False)
     if recompute == "full":  # Megatron's full recompute, its saved inputs split over TP
@@ -87,6 +90,8 @@ def check(kind: str, sp: bool, recompute: bool = False, mhc: bool = True) -> Non
     if not mhc:
         return
     assert checked_mhc == 2 * 3 * cfg2.num_layers  # two mappings a layer, (phi, alpha, bias)
+    heads = sum(".head." in n for n in names)  # the output head's phi, alpha, bias
+    assert heads == (3 if kind == "dsv4" else 0), heads
     print(f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute} {harness.describe()} "
           f"loss={loss.item():.6f} ref={ref_loss.item():.6f} "
           f"loss_rel_err={abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()):.2e} "
@@ -96,7 +101,7 @@ def check(kind: str, sp: bool, recompute: bool = False, mhc: bool = True) -> Non
 
 CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
          ("dense", True, True), ("moe", True, True), ("dense", False, "full"),
-         ("moe", True, "full"))
+         ("moe", True, "full"), ("dsv4", True, False))
 
 
 def main():
