@@ -87,31 +87,31 @@ class MHCTransformerConfig(TransformerConfig):
     mhc_mapping_form: Optional[Literal["paper", "deepseek_v4"]] = None
     """How the per-token logits become the mappings (None: ``mhc_variant``'s). "paper" (arXiv
     2512.24880): H_pre = sigmoid, H_post = 2 sigmoid, H_res = log-domain Sinkhorn-Knopp of
-    exp(logits).
-    "deepseek_v4" (DeepSeek-V4; Hugging Face's ``DeepseekV4HyperConnection``): H_pre = sigmoid
-    + eps, H_post = 2 sigmoid, H_res = a row softmax + eps, one column normalisation, then
-    ``mhc_sinkhorn_iterations - 1`` row and column normalisations, each dividing by
-    (sum + eps), with eps = ``mhc_mapping_eps``. The parameters (phi, alpha, bias) are the same
-    in both forms. The fused Triton kernels compute "paper" only: "auto" runs the PyTorch
-    reference for "deepseek_v4", "triton" is refused."""
+    exp(logits). "deepseek_v4" (DeepSeek-V4; Hugging Face's ``DeepseekV4HyperConnection``):
+    H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = a row softmax + eps, one column
+    normalisation, then ``mhc_sinkhorn_iterations - 1`` row and column normalisations, each
+    dividing by (sum + eps), with eps = ``mhc_mapping_eps``. The parameters (phi, alpha,
+    bias) are the same in both forms. The fused Triton kernels compute "paper" only: "auto"
+    runs the PyTorch reference for "deepseek_v4", "triton" is refused."""
 
     mhc_mapping_eps: float = 1e-6
     """eps of the "deepseek_v4" mapping form (DeepSeek-V4's ``hc_eps``); unused by "paper"."""
 
     mhc_res_transposed: Optional[bool] = None
-    """(None: ``mhc_variant``'s, False for "paper".) Mix the streams with H_res transposed, ``x'_i = sum_j H_res[j, i] x_j`` (DeepSeek-V4's
-    ``comb^T @ h``), instead of the paper's ``H_res x``. H_res is doubly stochastic but not
+    """Mix the streams with H_res transposed, ``x'_i = sum_j H_res[j, i] x_j`` (DeepSeek-V4's
+    ``comb^T @ h``), instead of the paper's ``H_res x`` (None: ``mhc_variant``'s, False for
+    "paper"). H_res is doubly stochastic but not
     symmetric, so a checkpoint trained one way computes another function the other way. As
     ``mhc_mapping_form``: the PyTorch reference only."""
 
     mhc_output_head: Optional[bool] = None
-    """(None: ``mhc_variant``'s, False for "paper".) Contract the streams before the final norm (the decoder's, and each MTP depth's) with
+    """Contract the streams before the final norm (the decoder's, and each MTP depth's) with
     DeepSeek-V4's learned head (its ``hc_head``): a per-token weighted sum ``sum_i w_i x_i``,
     ``w = sigmoid(alpha * (vec(x) @ phi^T) / r + bias) + mhc_mapping_eps`` with its own
     ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``, instead of the plain sum (the default).
     Under the plain sum the last sublayer's H_res cancels out (its columns sum to 1, so
     ``sum_i (H_res x)_i = sum_j x_j``) and never learns; the learned head weighs the streams
-    apart. PyTorch ops."""
+    apart. PyTorch ops. None: ``mhc_variant``'s, False for "paper"."""
 
     mhc_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Which implementation of the mHC ops runs: "reference" (PyTorch, fp32 inside),
@@ -126,10 +126,10 @@ class MHCTransformerConfig(TransformerConfig):
 
     mhc_params_dtype: Optional[torch.dtype] = None
     """Storage dtype of the mapping parameters (phi, alpha, bias). None (default): follow
-    ``params_dtype`` like every other weight (with ``mhc_variant="deepseek_v4"``: fp32). torch.float32 (as Megatron-LM's in-tree mHC):
-    they stay fp32 through Float16Module and any model-wide dtype cast, so the forward never
-    sees bf16-rounded H_res logits. Megatron-Core 0.19.2's optimisers train such a model but
-    do not checkpoint it by themselves: apply
+    ``params_dtype`` like every other weight (with ``mhc_variant="deepseek_v4"``: fp32).
+    torch.float32 (as Megatron-LM's in-tree mHC): they stay fp32 through Float16Module and any
+    model-wide dtype cast, so the forward never sees bf16-rounded H_res logits. Megatron-Core
+    0.19.2's optimisers train such a model but do not checkpoint it by themselves: apply
     ``mhc_megatron.training.fp32_params.make_fp32_params_checkpointable`` to the optimiser
     from ``get_megatron_optimizer``, or run Megatron's ``pretrain`` inside
     ``fp32_params_in_megatron_training()`` (``examples/pretrain_gpt_mhc.py`` does)."""

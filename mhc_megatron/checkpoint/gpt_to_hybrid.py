@@ -46,7 +46,8 @@ _MTP_INNER = re.compile(r"^(.*mtp\.layers\.\d+\.mtp_model_layer\.)(.*)$")
 
 def _gpt_layer_symbols(config, layer_index: int) -> str:
     """The two hybrid symbols of GPT layer ``layer_index`` (0-based) under ``config``."""
-    attention = Symbols.MLA if getattr(config, "multi_latent_attention", False) else Symbols.ATTENTION
+    mla = getattr(config, "multi_latent_attention", False)
+    attention = Symbols.MLA if mla else Symbols.ATTENTION
     if not config.num_moe_experts:
         return attention + Symbols.MLP
     freq = config.moe_layer_freq

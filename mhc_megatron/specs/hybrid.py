@@ -91,7 +91,8 @@ def to_mhc_hybrid_layer_spec(layer_spec):
             "stack's layers must be Megatron's TransformerLayer, MLPLayer, MoETransformerLayer "
             "or MambaLayer. Fix: start from Megatron's hybrid_stack_spec or "
             "get_hybrid_stack_with_mhc_spec.")
-    submodules_class = (HyperConnectionMambaLayerSubmodules if mhc_class is HyperConnectionMambaLayer
+    mamba = mhc_class is HyperConnectionMambaLayer
+    submodules_class = (HyperConnectionMambaLayerSubmodules if mamba
                         else HyperConnectionTransformerLayerSubmodules)
     fields = {f.name: getattr(layer_spec.submodules, f.name)
               for f in dataclasses.fields(layer_spec.submodules)}
@@ -108,7 +109,8 @@ def _mhc_mtp_block_spec(mtp_block_spec):
     for layer_spec in mtp_block_spec.submodules.layer_specs:
         sub = layer_spec.submodules
         if not StreamContractingNorm.is_builder(sub.layer_norm):
-            sub = dataclasses.replace(sub, layer_norm=StreamContractingNorm.wrapping(sub.layer_norm))
+            sub = dataclasses.replace(
+                sub, layer_norm=StreamContractingNorm.wrapping(sub.layer_norm))
         layer_specs.append(dataclasses.replace(layer_spec, submodules=sub))
     return dataclasses.replace(
         mtp_block_spec,

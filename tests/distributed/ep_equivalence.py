@@ -51,14 +51,7 @@ def check(dispatcher: str, recompute: bool) -> None:
 
     harness.init_parallel(ep=1)
     ref = harness.model(_config(1, False))
-    ref_loss = lm_loss(ref, data)
-    ref_loss.backward()
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ref_grads = {}
-    for n, p in ref.named_parameters():  # the data-parallel sum of both ranks' grads
-        g = p.grad.detach().clone()
-        torch.distributed.all_reduce(g)
-        ref_grads[n] = g
+    ref_loss, ref_params, ref_grads = harness.data_parallel_reference(ref, data)
 
     harness.init_parallel(ep=2)
     assert parallel_state.get_expert_model_parallel_world_size() == 2

@@ -146,3 +146,19 @@ def ep_grad_errors(model, names: dict, ref_grads: dict, label: str) -> float:
         worst = max(worst, relative_error(g, expect))
     return worst
 
+
+def data_parallel_reference(model, data):
+    """The EP=1 reference of an EP=2 comparison, run on each rank's own batch: the loss, the
+    parameters, and every gradient summed over the two (data parallel) ranks."""
+    from helpers import lm_loss
+
+    loss = lm_loss(model, data)
+    loss.backward()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        torch.distributed.all_reduce(g)
+        grads[n] = g
+    return loss, params, grads
+

@@ -289,14 +289,7 @@ def check_ep(dispatcher: str, recompute: bool, pattern: str = "*E*E") -> None:
     data = batch(batch_size=2, seed=100 + rank, device=harness.DEVICE)  # one batch a rank
     harness.init_parallel(ep=1)
     ref = _hybrid(_ep_config(1, False, dispatcher), pattern)
-    ref_loss = lm_loss(ref, data)
-    ref_loss.backward()
-    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ref_grads = {}
-    for n, p in ref.named_parameters():  # the data-parallel sum of both ranks' grads
-        g = p.grad.detach().clone()
-        torch.distributed.all_reduce(g)
-        ref_grads[n] = g
+    ref_loss, ref_params, ref_grads = harness.data_parallel_reference(ref, data)
     _nonzero(ref_grads, f"ep {pattern}")
 
     harness.init_parallel(ep=2)
