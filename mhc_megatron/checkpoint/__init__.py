@@ -1,4 +1,5 @@
-"""Checkpoint interchange: moving mHC weights between model layouts."""
+"""Checkpoint interchange: mHC weights between model layouts (GPT -> hybrid) and between the
+naming schemes of other checkpoints (Hugging Face, DeepSeek)."""
 
 from mhc_megatron.checkpoint.gpt_to_hybrid import (
     gpt_hybrid_layer_pattern,
@@ -7,8 +8,20 @@ from mhc_megatron.checkpoint.gpt_to_hybrid import (
     gpt_to_hybrid_state_dict,
     load_gpt_checkpoint_into_hybrid,
 )
+from mhc_megatron.checkpoint.names import (
+    SCHEMES,
+    MHCParameter,
+    convert_state_dict,
+    format_name,
+    parse_name,
+)
 
 __all__ = [
+    "MHCParameter",
+    "SCHEMES",
+    "convert_state_dict",
+    "format_name",
+    "parse_name",
     "gpt_hybrid_layer_pattern",
     "gpt_layout_sharded_state_dict",
     "gpt_to_hybrid_key",
