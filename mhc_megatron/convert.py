@@ -5,7 +5,7 @@
 
 Schemes and names: :mod:`mhc_megatron.checkpoint.names` (``megatron_core``: mhc-megatron's
 ``GPTModel`` state dict; ``hf``: Hugging Face transformers' DeepSeek-V4; ``deepseek``:
-DeepSeek's release). Files: ``.safetensors`` (needs the ``safetensors`` package) or a
+DeepSeek's release; ``megatron_lm``: Megatron-LM's in-tree mHC). Files: ``.safetensors`` (needs the ``safetensors`` package) or a
 ``torch.save``d state dict. Only the mHC parameters are renamed; the tensors are written as
 they are; the others pass through. A model that loads DeepSeek-V4 names computes DeepSeek-V4's
 math only with ``mhc_variant="deepseek_v4"``.
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--from", dest="source", choices=SCHEMES, required=True)
     parser.add_argument("--to", dest="target", choices=SCHEMES, required=True)
     parser.add_argument("--drop-unnamed", action="store_true",
-                        help="leave out mHC parameters the target has no name for (hf: MTP)")
+                        help="leave out mHC parameters the target has no name for (hf: MTP; "
+                             "megatron_lm: MTP and the output head)")
     parser.add_argument("input")
     parser.add_argument("output")
     args = parser.parse_args(argv)

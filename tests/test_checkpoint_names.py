@@ -141,3 +141,35 @@ def test_cli_converts_files(seeded, tmp_path, suffix):
     assert sorted(restored) == sorted(state)
     for key, value in state.items():
         assert torch.equal(restored[key], value), key
+
+
+def test_megatron_lm_names_round_trip(seeded):
+    """Megatron-LM's in-tree names: ``mapping_proj.weight`` and ``bias`` as they are, ``scale``
+    as ``alpha_pre`` / ``alpha_post`` / ``alpha_res`` of shape [1]; back to ours bit for bit
+    (a paper-convention model without head or MTP, which is what Megatron-LM has)."""
+    cfg = tiny_config(num_layers=2)
+    model = GPTModel(cfg, get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("hyper_connection.alpha"):
+                p.copy_(torch.tensor([0.1, 0.2, 0.3]))
+    state = model.state_dict()
+    lm = convert_state_dict(state, "megatron_core", "megatron_lm")
+    prefix = "decoder.layers.1.mlp_hyper_connection."
+    n, c = cfg.num_residual_streams, cfg.hidden_size
+    assert lm[prefix + "mapping_proj.weight"].shape == (2 * n + n * n, n * c)
+    assert lm[prefix + "bias"].shape == (2 * n + n * n,)
+    assert [float(lm[prefix + f"alpha_{q}"]) for q in ("pre", "post", "res")] == pytest.approx(
+        [0.1, 0.2, 0.3])
+    back = convert_state_dict(lm, "megatron_lm", "megatron_core")
+    assert sorted(back) == sorted(state)
+    for key, value in state.items():
+        if torch.is_tensor(value):
+            assert torch.equal(back[key], value), key
+    with pytest.raises(ValueError, match=r"no output head.*Fix: "):
+        convert_state_dict(_dsv4_gpt(mtp_depths=None).state_dict(), "megatron_core",
+                           "megatron_lm")
+    partial = {k: v for k, v in lm.items() if not k.endswith("alpha_res")}
+    with pytest.raises(ValueError, match=r"alpha_res'\] missing"):
+        convert_state_dict(partial, "megatron_lm", "megatron_core")

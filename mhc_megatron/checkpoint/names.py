@@ -21,7 +21,14 @@ MTP HC         mtp.layers.d.mtp_model_layer.*_hyper_         (none)             
 MTP head       mtp.layers.d.final_layernorm.head.*          (none)                          mtp.d.hc_head_X
 =============  ===========================================  ==============================  =====================
 
-with ``X`` in ``fn`` / ``base`` / ``scale`` for our ``phi`` / ``bias`` / ``alpha``. Hugging
+with ``X`` in ``fn`` / ``base`` / ``scale`` for our ``phi`` / ``bias`` / ``alpha``.
+``megatron_lm`` (Megatron-LM's in-tree mHC, ``megatron/core/transformer/hyper_connection.py``):
+``decoder.layers.L.{self_attention,mlp}_hyper_connection.{mapping_proj.weight, bias}`` for
+``fn``, ``base``, and ``alpha_pre`` / ``alpha_post`` / ``alpha_res`` (``[1]`` each) for the
+three entries of ``scale``; it has the paper's conventions (``mhc_variant="paper"``), no output
+head (it averages the streams) and no mHC in MTP. Its RMS puts eps outside the square root
+and its final norm takes the stream mean with the norm's own eps, so a converted checkpoint
+computes the same function as ours up to those eps. Hugging
 Face's DeepSeek-V4 has no MTP modules: MTP parameters have no ``hf`` name. Other parameters
 (attention, MoE, norms, embeddings) are not mHC's and pass through unchanged; convert them with
 your model family's converter. ``megatron_core`` is the ``GPTModel`` layout; a ``HybridModel``'s
@@ -34,14 +41,21 @@ layers are numbered per sublayer: map its keys to the GPT layout first
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
-SCHEMES = ("megatron_core", "hf", "deepseek")
+import torch
+
+SCHEMES = ("megatron_core", "hf", "deepseek", "megatron_lm")
+_ALPHA_PARTS = ("pre", "post", "res")  # Megatron-LM's alpha_pre / alpha_post / alpha_res
 _OURS_TO_X = {"phi": "fn", "bias": "base", "alpha": "scale"}
 _X_TO_OURS = {v: k for k, v in _OURS_TO_X.items()}
 _SUBLAYERS = {"self_attention": "attn", "mlp": "ffn"}
 _SUBLAYERS_BACK = {v: k for k, v in _SUBLAYERS.items()}
+# Megatron-LM's names -> ``param`` ("scale_pre" etc.: one entry of ``scale``)
+_MEGATRON_LM_PARAMS = {"mapping_proj.weight": "fn", "bias": "base",
+                       **{f"alpha_{part}": f"scale_{part}" for part in _ALPHA_PARTS}}
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,11 @@ _PATTERNS = {
         (re.compile(r"^model\.hc_head\.hc_(fn|base|scale)$"),
          lambda m: MHCParameter("head", m[1])),
     ),
+    "megatron_lm": (
+        (re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)_hyper_connection\."
+                    r"(mapping_proj\.weight|bias|alpha_pre|alpha_post|alpha_res)$"),
+         lambda m: MHCParameter("hc", _MEGATRON_LM_PARAMS[m[3]], int(m[1]), _SUBLAYERS[m[2]])),
+    ),
     "deepseek": (
         (re.compile(r"^layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)$"),
          lambda m: MHCParameter("hc", m[3], int(m[1]), m[2])),
@@ -106,7 +125,8 @@ def parse_name(key: str, scheme: str) -> MHCParameter | None:
 
 
 def format_name(p: MHCParameter, scheme: str) -> str:
-    """``p``'s name in ``scheme``; a clear error where the scheme has none (HF: MTP)."""
+    """``p``'s name in ``scheme``; a clear error where the scheme has none (HF: MTP;
+    Megatron-LM: MTP and the output head)."""
     _check_scheme(scheme)
     if scheme == "megatron_core":
         ours = _X_TO_OURS[p.param]
@@ -117,6 +137,20 @@ def format_name(p: MHCParameter, scheme: str) -> str:
         if p.mtp is None:
             return f"decoder.layers.{p.layer}.{sub}_hyper_connection.{ours}"
         return f"mtp.layers.{p.mtp}.mtp_model_layer.{sub}_hyper_connection.{ours}"
+    if scheme == "megatron_lm":
+        if p.kind != "hc" or p.mtp is not None:
+            raise ValueError(
+                f"{p} has no 'megatron_lm' name: Megatron-LM's mHC has no output head (it "
+                "averages the streams) and no mHC in multi-token prediction. Fix: drop them "
+                "(drop_unnamed=True), or convert to 'deepseek' names, which have them.")
+        sub = _SUBLAYERS_BACK[p.sublayer]
+        leaf = {"fn": "mapping_proj.weight", "base": "bias"}.get(p.param)
+        if leaf is None:
+            if not p.param.startswith("scale_"):
+                raise ValueError(f"{p}: Megatron-LM keeps scale as alpha_pre/_post/_res; "
+                                 "split it first (convert_state_dict does)")
+            leaf = f"alpha_{p.param[len('scale_'):]}"
+        return f"decoder.layers.{p.layer}.{sub}_hyper_connection.{leaf}"
     if scheme == "hf":
         if p.mtp is not None:
             raise ValueError(
@@ -136,12 +170,14 @@ def format_name(p: MHCParameter, scheme: str) -> str:
 def convert_state_dict(state_dict: dict, source: str, target: str,
                        drop_unnamed: bool = False) -> dict:
     """``state_dict`` with its mHC parameters renamed from ``source`` to ``target`` names
-    (module docstring); the tensors are the same objects, other keys pass through.
-    ``drop_unnamed``: leave out mHC parameters ``target`` has no name for (HF: MTP) instead of
-    raising. An mHC-looking key of ``source`` that no pattern matches raises, naming it."""
+    (module docstring); the tensors are the same objects (but Megatron-LM's three ``alpha_*``,
+    merged into ``scale`` and split from it in the order pre, post, res), other keys pass
+    through. ``drop_unnamed``: leave out mHC parameters ``target`` has no name for (HF: MTP;
+    Megatron-LM: MTP and the head) instead of raising. An mHC-looking key of ``source`` that
+    no pattern matches raises, naming it."""
     _check_scheme(source)
     _check_scheme(target)
-    out = {}
+    out, scale_parts = {}, {}
     for key, value in state_dict.items():
         p = parse_name(key, source)
         if p is None:
@@ -151,16 +187,47 @@ def convert_state_dict(state_dict: dict, source: str, target: str,
                     f"check the source scheme (one of {SCHEMES}).")
             out[key] = value
             continue
-        if drop_unnamed and target == "hf" and p.mtp is not None:
+        if p.param.startswith("scale_"):  # one of Megatron-LM's three alphas: merged below
+            scale_parts.setdefault(dataclasses.replace(p, param="scale"), {})[p.param] = value
             continue
-        new_key = format_name(p, target)
+        _put(out, p, value, target, drop_unnamed)
+    for p, parts in scale_parts.items():
+        missing = [f"alpha_{q}" for q in _ALPHA_PARTS if f"scale_{q}" not in parts]
+        if missing:
+            raise ValueError(
+                f"layer {p.layer} {p.sublayer}: {missing} missing. Fix: pass the whole state "
+                "dict (Megatron-LM's hyper-connections hold alpha_pre, alpha_post, alpha_res).")
+        scale = torch.cat([parts[f"scale_{q}"].reshape(1) for q in _ALPHA_PARTS])
+        _put(out, p, scale, target, drop_unnamed)
+    return out
+
+
+def _has_name(p: MHCParameter, scheme: str) -> bool:
+    if scheme == "hf":
+        return p.mtp is None
+    if scheme == "megatron_lm":
+        return p.kind == "hc" and p.mtp is None
+    return True
+
+
+def _put(out: dict, p: MHCParameter, value, target: str, drop_unnamed: bool) -> None:
+    """Store ``p`` under its ``target`` name (Megatron-LM: ``scale`` as its three alphas)."""
+    if drop_unnamed and not _has_name(p, target):
+        return
+    if target == "megatron_lm" and p.param == "scale":
+        items = [(dataclasses.replace(p, param=f"scale_{q}"), value[i:i + 1].clone())
+                 for i, q in enumerate(_ALPHA_PARTS)]
+    else:
+        items = [(p, value)]
+    for q, tensor in items:
+        new_key = format_name(q, target)
         if new_key in out:
             raise ValueError(f"two parameters map to {new_key!r}. Fix: check the source scheme.")
-        out[new_key] = value
-    return out
+        out[new_key] = tensor
 
 
 def _looks_like_mhc(key: str, scheme: str) -> bool:
     markers = {"megatron_core": ("hyper_connection.", ".head."),
-               "hf": ("_hc.", "hc_head."), "deepseek": ("hc_",)}[scheme]
+               "megatron_lm": ("hyper_connection.",), "hf": ("_hc.", "hc_head."),
+               "deepseek": ("hc_",)}[scheme]
     return any(m in key for m in markers)
