@@ -5,9 +5,9 @@
 
 Schemes and names: :mod:`mhc_megatron.checkpoint.names` (``megatron_core``: mhc-megatron's
 ``GPTModel`` state dict; ``hf``: Hugging Face transformers' DeepSeek-V4; ``deepseek``:
-DeepSeek's release; ``megatron_lm``: Megatron-LM's in-tree mHC). Files: ``.safetensors`` (needs the ``safetensors`` package) or a
-``torch.save``d state dict. Only the mHC parameters are renamed; the tensors are written as
-they are; the others pass through. A model that loads DeepSeek-V4 names computes DeepSeek-V4's
+DeepSeek's release; ``megatron_lm``: Megatron-LM's in-tree mHC). Files: ``.safetensors``
+(needs the ``safetensors`` package) or a ``torch.save``d state dict. Only the mHC parameters
+are renamed; the tensors are written as they are; the others pass through. A model that loads DeepSeek-V4 names computes DeepSeek-V4's
 math only with ``mhc_variant="deepseek_v4"``.
 """
 
