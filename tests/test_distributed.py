@@ -96,14 +96,16 @@ def test_pipeline_parallel_matches_single_rank(setup):
     """PP=2 (1F1B) and PP=2 x 2 virtual stages (interleaved) == PP=1 through Megatron's own
     schedules, 4 micro-batches: every micro-batch loss and every gradient, dense, MoE and with
     an MTP depth on the last stage, with and without mHC recompute (its blocks counted per
-    pipeline chunk)."""
+    pipeline chunk), and with DeepSeek-V4's conventions (``mhc_variant="deepseek_v4"``: output
+    heads; with an MTP depth, and over 2 virtual stages)."""
     out = _torchrun("pp_equivalence.py", setup)
     _expect(out, [f"pp=2 vp={vp} kind={kind} recompute={rc} "
                   for kind, vp, rc in (("dense", None, False), ("dense", 2, False),
                                        ("moe", None, False), ("moe", 2, False),
                                        ("dense", None, True), ("dense", 2, True),
                                        ("moe", None, True), ("mtp", None, False),
-                                       ("mtp", None, True), ("dsv4", None, False))])
+                                       ("mtp", None, True), ("dsv4", None, False),
+                                       ("dsv4_dense", 2, False))])
 
 
 @pytest.mark.distributed

@@ -32,8 +32,8 @@ def _config(kind: str, pp: int, vp, recompute: bool):
     extra = dict(moe_overrides() if kind == "moe" else {}, moe_token_dispatcher_type="alltoall")
     if kind in ("mtp", "dsv4"):  # dense with one DeepSeek-V3-style MTP depth (last stage)
         extra["mtp_num_layers"] = 1
-    if kind == "dsv4":  # DeepSeek-V4's conventions: the decoder's and the MTP depth's heads
-        extra["mhc_variant"] = "deepseek_v4"
+    if kind.startswith("dsv4"):  # DeepSeek-V4's conventions: a head per final norm (the
+        extra["mhc_variant"] = "deepseek_v4"  # decoder's; "dsv4": the MTP depth's too)
     if recompute:  # blocks of 3 layers: counted per pipeline chunk, never across a boundary
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=3)
     if vp:
@@ -172,7 +172,7 @@ def check(kind: str, vp, recompute: bool) -> None:
 
 CASES = (("dense", None, False), ("dense", 2, False), ("moe", None, False), ("moe", 2, False),
          ("dense", None, True), ("dense", 2, True), ("moe", None, True), ("mtp", None, False),
-         ("mtp", None, True), ("dsv4", None, False))
+         ("mtp", None, True), ("dsv4", None, False), ("dsv4_dense", 2, False))
 
 
 def main():
