@@ -26,7 +26,6 @@ the MTP layer's norm. With pipeline stages (``|``) the boundaries carry ``[s, b,
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Union
@@ -40,12 +39,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import MoETransformerLayer
 from torch import Tensor
 
-from mhc_megatron.config import MHCTransformerConfig, hyper_connections_enabled
+from mhc_megatron.config import hyper_connections_enabled
 from mhc_megatron.layers.hyper_connection import HyperConnectionModule
 from mhc_megatron.layers.streams import StreamContractingNorm
 from mhc_megatron.layers.transformer_layer import (
     HyperConnectionTransformerLayer,
     _StreamCombine,
+    recompute_scope,
+    require_mhc_config,
     run_sublayer,
     streams_in,
 )
@@ -95,11 +96,7 @@ class HyperConnectionMambaLayer(MambaLayer):
         self.mhc_enabled = hyper_connections_enabled(config)
         if not self.mhc_enabled:
             return
-        if not isinstance(config, MHCTransformerConfig):
-            raise TypeError(
-                f"enable_hyper_connections needs an mhc_megatron MHCTransformerConfig, got "
-                f"{type(config).__name__}. Fix: build the config with "
-                "mhc_megatron.config.MHCTransformerConfig.")
+        require_mhc_config(config)
         spec = getattr(submodules, "mixer_hyper_connection", HyperConnectionModule)
         self.n = config.num_residual_streams
         self.mixer_hyper_connection = build_module(spec, config=config)
@@ -112,10 +109,7 @@ class HyperConnectionMambaLayer(MambaLayer):
             return super().forward(hidden_states, *args, **kwargs)
         streams = streams_in(hidden_states, self.n, self.config.hidden_size,
                              expands=self.layer_number == 1)
-        manager = self.mhc_recompute_manager
-        scope = (contextlib.nullcontext() if manager is None
-                 else manager.layer_scope(self.layer_number, self.mhc_chunk_offset))
-        with scope:
+        with recompute_scope(self):
             return run_sublayer(super().forward, self.mixer_hyper_connection, self.mamba_bda,
                                 streams, *args, **kwargs)
 

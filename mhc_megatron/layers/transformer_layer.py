@@ -28,6 +28,7 @@ combine, where Megatron releases its residual (:mod:`mhc_megatron.layers.stream_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -150,12 +151,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         if not self.mhc_enabled:
             _say_mhc_is_off(config)
             return
-        if not isinstance(config, MHCTransformerConfig):
-            raise TypeError(
-                f"enable_hyper_connections needs an mhc_megatron MHCTransformerConfig, got "
-                f"{type(config).__name__}. Fix: build the config with "
-                "mhc_megatron.config.MHCTransformerConfig (or MHCMLATransformerConfig)."
-            )
+        require_mhc_config(config)
         if not isinstance(self.cross_attention, IdentityOp):
             raise ValueError(
                 "HyperConnectionTransformerLayer: cross_attention is not supported with "
@@ -194,10 +190,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         """Megatron's forward; with ``mhc_recompute`` inside this layer's recompute block."""
-        manager = getattr(self, "mhc_recompute_manager", None)
-        if manager is None:
-            return super().forward(*args, **kwargs)
-        with manager.layer_scope(self.layer_number, self.mhc_chunk_offset):
+        with recompute_scope(self):
             return super().forward(*args, **kwargs)
 
     def _expands_streams(self) -> bool:
@@ -249,6 +242,25 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 dtype=h.dtype, device=h.device, requires_grad=h.requires_grad,
             )
         return static_inputs
+
+
+def require_mhc_config(config) -> None:
+    """An mHC layer with ``enable_hyper_connections`` needs an mhc-megatron config."""
+    if not isinstance(config, MHCTransformerConfig):
+        raise TypeError(
+            f"enable_hyper_connections needs an mhc_megatron MHCTransformerConfig, got "
+            f"{type(config).__name__}. Fix: build the config with "
+            "mhc_megatron.config.MHCTransformerConfig (or MHCMLATransformerConfig).")
+
+
+def recompute_scope(layer):
+    """The context an mHC layer's forward runs in: its ``mhc_recompute`` block
+    (``layer.mhc_recompute_manager``, blocks counted from ``layer.mhc_chunk_offset``), or
+    nothing without ``mhc_recompute`` (or with mHC off)."""
+    manager = getattr(layer, "mhc_recompute_manager", None)
+    if manager is None:
+        return contextlib.nullcontext()
+    return manager.layer_scope(layer.layer_number, layer.mhc_chunk_offset)
 
 
 def streams_in(hidden_states: Tensor, n: int, hidden_size: int, expands: bool,
