@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from mhc_megatron._logging import log_rank0
 from mhc_megatron.kernels import KERNEL_BACKENDS
-from mhc_megatron.kernels.reference import PAPER, MappingForm
+from mhc_megatron.kernels.reference import MappingForm
 
 _logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class MHCTransformerConfig(TransformerConfig):
     H_pre = sigmoid + eps, H_post = 2 sigmoid, H_res = a row softmax + eps, one column
     normalisation, then ``mhc_sinkhorn_iterations - 1`` row and column normalisations, each
     dividing by (sum + eps), with eps = ``mhc_mapping_eps``. The parameters (phi, alpha,
-    bias) are the same in both forms. The fused Triton kernels compute "paper" only: "auto"
-    runs the PyTorch reference for "deepseek_v4", "triton" is refused."""
+    bias) are the same in both forms, and both run on the fused Triton kernels and the
+    PyTorch reference."""
 
     mhc_mapping_eps: float = 1e-6
     """eps of the "deepseek_v4" mapping form (DeepSeek-V4's ``hc_eps``); unused by "paper"."""
@@ -101,8 +101,7 @@ class MHCTransformerConfig(TransformerConfig):
     """Mix the streams with H_res transposed, ``x'_i = sum_j H_res[j, i] x_j`` (DeepSeek-V4's
     ``comb^T @ h``), instead of the paper's ``H_res x`` (None: ``mhc_variant``'s, False for
     "paper"). H_res is doubly stochastic but not
-    symmetric, so a checkpoint trained one way computes another function the other way. As
-    ``mhc_mapping_form``: the PyTorch reference only."""
+    symmetric, so a checkpoint trained one way computes another function the other way."""
 
     mhc_output_head: Optional[bool] = None
     """Contract the streams before the final norm (the decoder's, and each MTP depth's) with
@@ -111,7 +110,8 @@ class MHCTransformerConfig(TransformerConfig):
     ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``, instead of the plain sum (the default).
     Under the plain sum the last sublayer's H_res cancels out (its columns sum to 1, so
     ``sum_i (H_res x)_i = sum_j x_j``) and never learns; the learned head weighs the streams
-    apart. PyTorch ops. None: ``mhc_variant``'s, False for "paper"."""
+    apart. Runs on the ``mhc_kernel_backend``'s ops. None: ``mhc_variant``'s, False for
+    "paper"."""
 
     mhc_kernel_backend: Literal["auto", "triton", "reference"] = "auto"
     """Which implementation of the mHC ops runs: "reference" (PyTorch, fp32 inside),
@@ -280,12 +280,6 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
         _fail("mhc_res_transposed", f"must be a bool or None, got {config.mhc_res_transposed!r}",
               "pass True (DeepSeek-V4's H_res^T x), False (the paper's H_res x) or None (the "
               "preset's)")
-    if config.mhc_kernel_backend == "triton" and config.mhc_mapping != PAPER:
-        _fail("mhc_kernel_backend / mhc_mapping_form / mhc_res_transposed",
-              "the fused Triton kernels compute the paper's mappings (mhc_mapping_form='paper', "
-              "mhc_res_transposed=False) only",
-              "set mhc_kernel_backend='auto' or 'reference' (the PyTorch reference computes "
-              "every form), or keep the paper's form")
     if config.mhc_kernel_backend not in KERNEL_BACKENDS:
         _fail("mhc_kernel_backend", f"unknown backend {config.mhc_kernel_backend!r}",
               f"use one of {KERNEL_BACKENDS}")

@@ -102,13 +102,19 @@ def composite_gain(captured: list[CapturedMappings]) -> dict:
 
 
 def mhc_grad_norms(model: torch.nn.Module) -> list[dict]:
-    """Per HyperConnectionModule: the L2 norms of the gradients of ``phi``, ``alpha`` and
-    ``bias`` (``None`` where a parameter has no gradient yet)."""
+    """Per HyperConnectionModule, in model order: the L2 norms of the gradients of ``phi``,
+    ``alpha`` and ``bias``, and of their H_res parts, ``phi_res`` and ``bias_res`` (rows
+    ``2n:``: what makes H_res learn) (``None`` where a parameter has no gradient yet)."""
+    def norm(grad):
+        return None if grad is None else grad.float().norm().item()
+
     rows = []
     for name, module in model.named_modules():
         if isinstance(module, HyperConnectionModule):
-            rows.append({"name": name, **{
-                p: (getattr(module, p).grad.float().norm().item()
-                    if getattr(module, p).grad is not None else None)
-                for p in ("phi", "alpha", "bias")}})
+            res = slice(2 * module.n, None)
+            rows.append({"name": name,
+                         **{p: norm(getattr(module, p).grad) for p in ("phi", "alpha", "bias")},
+                         **{f"{p}_res": norm(None if getattr(module, p).grad is None
+                                             else getattr(module, p).grad[res])
+                            for p in ("phi", "bias")}})
     return rows

@@ -71,13 +71,6 @@ REFUSED = {
                                "mhc_variant / mhc_output_head"),
     "variant_vs_params_dtype": (dict(mhc_variant="deepseek_v4", mhc_params_dtype=torch.bfloat16),
                                 "mhc_params_dtype"),
-    "variant_with_triton": (dict(mhc_variant="deepseek_v4", mhc_kernel_backend="triton"),
-                            "mhc_kernel_backend / mhc_mapping_form"),
-    # the fused kernels compute the paper's mappings only ("auto" runs the reference instead)
-    "triton_with_deepseek_v4_form": (dict(mhc_kernel_backend="triton",
-                                          mhc_mapping_form="deepseek_v4"), "mhc_mapping_form"),
-    "triton_with_transposed_res": (dict(mhc_kernel_backend="triton", mhc_res_transposed=True),
-                                   "mhc_res_transposed"),
     "enable_not_bool": (dict(enable_hyper_connections="yes"), "enable_hyper_connections"),
     "recompute_not_bool": (dict(mhc_recompute=1), "mhc_recompute"),
     "layer_num_zero": (dict(mhc_recompute_layer_num=0), "mhc_recompute_layer_num"),

@@ -85,17 +85,15 @@ def test_triton_backend_refuses_clearly(monkeypatch):
     assert select_ops("triton", torch.zeros(2, 4, 8)).name == "triton"
 
 
-def test_fused_kernels_run_the_paper_mapping_form_only(monkeypatch):
-    """DeepSeek-V4's mapping form (or H_res transposed) runs on the reference: 'triton'
-    refuses it where it would otherwise run, naming the fields."""
+def test_fused_kernels_run_every_mapping_form(monkeypatch):
+    """DeepSeek-V4's mapping form (or H_res transposed) runs on the fused kernels too: the
+    form does not change the choice ('triton' takes it, the reference too)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.zeros(2, 4, 8)
-    for form in (reference.MappingForm("deepseek_v4"), reference.MappingForm(transposed=True)):
-        with pytest.raises(RuntimeError, match=r"cannot run: the fused kernels compute the "
-                           r"paper's mappings.*mhc_mapping_form / mhc_res_transposed.*Fix: "):
-            select_ops("triton", x, form=form)
+    for form in (reference.MappingForm("deepseek_v4"), reference.MappingForm(transposed=True),
+                 reference.MappingForm("deepseek_v4", transposed=True), reference.PAPER):
+        assert select_ops("triton", x, form=form).name == "triton"
         assert select_ops("reference", x, form=form) is REFERENCE_OPS
-    assert select_ops("triton", x, form=reference.PAPER).name == "triton"
 
 
 def test_auto_falls_back_and_says_so_once(caplog):

@@ -1,15 +1,20 @@
 """Run-time choice of the mHC op implementation (``config.mhc_kernel_backend``).
 
-A backend is an :class:`MHCOps` with the two operations a hyper-connection module needs,
-on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
+A backend is an :class:`MHCOps` with the operations a hyper-connection module (and the
+final norm's output head) needs, on flattened tokens (layouts in
+:mod:`mhc_megatron.kernels.reference`):
 
-* ``pre(x, phi, alpha, bias, iterations, eps, n=None) -> (y, h_pre, h_post, h_res)``: the
-  dynamic mappings and the aggregate (a fused backend reads ``x`` for both in one kernel);
-  the reference also takes ``form=`` (a :class:`~mhc_megatron.kernels.reference.MappingForm`:
-  the paper's mappings, or DeepSeek-V4's), the fused kernels the paper's form only;
+* ``pre(x, phi, alpha, bias, iterations, eps, n=None, form=PAPER) -> (y, h_pre, h_post,
+  h_res)``: the dynamic mappings and the aggregate (a fused backend reads ``x`` for both in
+  one kernel), in the mapping ``form`` (a
+  :class:`~mhc_megatron.kernels.reference.MappingForm`: the paper's mappings, or
+  DeepSeek-V4's; ``h_res`` transposed or not), on either backend;
 * ``combine(x, f, f_bias, h_res, h_post, n=None) -> x'``: expand-combine;
 * ``aggregate(x, h_pre, n=None) -> y``: pre's ``y`` again from its ``h_pre``, bit for bit
   (what ``mhc_recompute`` replays in backward instead of the whole of pre);
+* ``output_head(x, phi, alpha, bias, rms_eps, eps, n=None) -> y``: DeepSeek-V4's learned
+  contraction of the streams (:func:`~mhc_megatron.kernels.reference.output_head`;
+  ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``);
 * ``replay_combine_aggregate`` (optional): a combine and the next pre's aggregate of its
   output replayed as one call, which ``mhc_recompute`` registers for its replay
   (:func:`loaded_ops`, :func:`mhc_megatron.recompute.register_replay_fusion`).
@@ -18,11 +23,12 @@ on flattened tokens (layouts in :mod:`mhc_megatron.kernels.reference`):
 layers carry them, ``[..., n*C]`` (``f``, ``y``: ``[..., C]``; the Triton ops take that layout
 as is, so the autograd graph has no reshape nodes around them).
 
-``select_ops(backend, x)``: "reference" always runs PyTorch; "triton" runs the fused
-kernels or raises a clear error saying why they cannot run for ``x``; "auto" runs Triton
-where it can (CUDA tensor, supported n and dtype, Triton importable) and the reference
-otherwise, and says which once per (device type, choice) at INFO on rank 0 (shown by
-default, see :mod:`mhc_megatron._logging`). ``KERNEL_BACKENDS``: the three names.
+``select_ops(backend, x, n, form)``: "reference" always runs PyTorch; "triton" runs the fused
+kernels (every mapping form, and the output head) or raises a clear error saying why they cannot
+run for ``x``; "auto" runs Triton where it can (CUDA tensor, supported n and dtype, Triton
+importable) and the reference otherwise, and says which once per (device type, choice) at INFO
+on rank 0 (shown by default, see :mod:`mhc_megatron._logging`). ``KERNEL_BACKENDS``: the three
+names.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class MHCOps:
     pre: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
     combine: Callable[..., Tensor]
     aggregate: Callable[..., Tensor]
+    output_head: Callable[..., Tensor]
     replay_combine_aggregate: Callable[..., tuple | None] | None = None
 
 
@@ -84,13 +91,19 @@ def _reference_aggregate(x, h_pre, n=None):
     return _in_layout_of(reference.aggregate(reference.as_tokens(x, n), h_pre), x, n)
 
 
+def _reference_output_head(x, phi, alpha, bias, rms_eps, eps, n=None):
+    x = x.contiguous()
+    y = reference.output_head(reference.as_tokens(x, n), phi, alpha, bias, rms_eps, eps)
+    return _in_layout_of(y, x, n)
+
+
 def _in_layout_of(y, x, n):
     """The aggregate ``y [T, C]`` in ``x``'s layout (:func:`reference.aggregate_shape`)."""
     return y if n is None else y.view(reference.aggregate_shape(x, n, y.shape[-1]))
 
 
 REFERENCE_OPS = MHCOps(name="reference", pre=_reference_pre, combine=_reference_combine,
-                       aggregate=_reference_aggregate)
+                       aggregate=_reference_aggregate, output_head=_reference_output_head)
 
 _announced: set[tuple[str, str]] = set()
 _triton_ops: MHCOps | None = None
@@ -103,6 +116,7 @@ def _load_triton_ops() -> MHCOps:
 
         _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
                              aggregate=triton_mhc.aggregate,
+                             output_head=triton_mhc.output_head,
                              replay_combine_aggregate=_replay_combine_aggregate)
     return _triton_ops
 
@@ -155,7 +169,9 @@ def _triton_limits() -> tuple[tuple[int, ...], tuple] | None:
 
 def triton_unsupported_reason(x: Tensor, n: int | None = None) -> str | None:
     """Why the fused Triton kernels cannot run on ``x [T, n, C]`` (or the streams
-    ``[..., n*C]`` with ``n`` given), or None if they can."""
+    ``[..., n*C]`` with ``n`` given), or None if they can. The ops share these limits (n in
+    ``SUPPORTED_STREAMS``, the activation dtype in ``SUPPORTED_DTYPES``), the output head
+    included, in every mapping form."""
     limits = _triton_limits()
     if limits is None:
         return "triton is not installed"
@@ -178,7 +194,8 @@ def select_ops(backend: str, x: Tensor, n: int | None = None,
                form: reference.MappingForm = reference.PAPER) -> MHCOps:
     """The :class:`MHCOps` that ``backend`` ("auto" | "triton" | "reference") selects for ``x``
     (``[T, n, C]``, or the streams ``[..., n*C]`` with ``n`` given) and the mapping ``form``
-    (the fused kernels compute the paper's form only)."""
+    (both backends compute every form, so the choice does not depend on it; the Triton ``pre``
+    refuses an unknown ``form.name`` with a ValueError)."""
     if backend == "reference":
         return REFERENCE_OPS
     if backend not in ("auto", "triton"):
@@ -186,9 +203,6 @@ def select_ops(backend: str, x: Tensor, n: int | None = None,
             f"mhc_kernel_backend={backend!r} is unknown. Fix: use one of {KERNEL_BACKENDS}."
         )
     reason = triton_unsupported_reason(x, n)
-    if reason is None and form != reference.PAPER:
-        reason = (f"the fused kernels compute the paper's mappings, not {form} "
-                  "(mhc_mapping_form / mhc_res_transposed)")
     if backend == "auto" and not x.is_cuda:
         reason = reason or "'auto' uses Triton on CUDA devices only"
     if reason is not None and backend == "triton":

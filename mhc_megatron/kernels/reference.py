@@ -90,7 +90,7 @@ def project_and_rms(x: Tensor, phi: Tensor, eps: float) -> tuple[Tensor, Tensor]
     """
     v = _acc(x.reshape(x.shape[0], -1))
     r = torch.sqrt(v.pow(2).mean(dim=-1) + eps)
-    ht = (v @ _acc(phi).t()) / r.unsqueeze(-1)
+    ht = (v @ _acc(phi).to(v.dtype).t()) / r.unsqueeze(-1)
     return ht, r
 
 

@@ -1,8 +1,9 @@
-"""Shared pieces of the fused Triton mHC kernels: supported inputs, dot precision, tile
-sizes, launch-shape helpers and the ``@triton.jit`` helpers both ops use (the mapping logits
-and the log-domain Sinkhorn). The ops are in :mod:`~mhc_megatron.kernels.triton_pre` (its
-kernels in :mod:`~mhc_megatron.kernels.triton_pre_fwd` and
-:mod:`~mhc_megatron.kernels.triton_pre_bwd`) and :mod:`~mhc_megatron.kernels.triton_combine`;
+"""Shared pieces of the fused Triton mHC kernels: supported inputs and mapping forms, dot
+precision, tile sizes, launch-shape helpers and the ``@triton.jit`` helpers the ops use (the
+mapping logits, the paper's log-domain Sinkhorn and DeepSeek-V4's linear-domain one, forward
+and backward). The ops are in :mod:`~mhc_megatron.kernels.triton_pre` (its kernels in
+:mod:`~mhc_megatron.kernels.triton_pre_fwd` and :mod:`~mhc_megatron.kernels.triton_pre_bwd`),
+:mod:`~mhc_megatron.kernels.triton_combine` and :mod:`~mhc_megatron.kernels.triton_head`;
 :mod:`~mhc_megatron.kernels.triton_mhc` is the overview.
 """
 
@@ -20,6 +21,18 @@ from mhc_megatron.kernels.launch import cdiv, next_pow2
 SUPPORTED_STREAMS = (1, 2, 4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+MAPPING_FORMS = ("paper", "deepseek_v4")
+
+
+def form_flags(form) -> tuple[bool, bool]:
+    """``(DSV4, TRANSPOSED)``, the mapping kernels' constexprs for ``form`` (a
+    :class:`~mhc_megatron.kernels.reference.MappingForm`); a ValueError for an unknown name."""
+    if form.name not in MAPPING_FORMS:
+        raise ValueError(f"mhc_mapping_form={form.name!r} is unknown to the Triton mHC kernels. "
+                         f"Fix: use one of {MAPPING_FORMS}.")
+    return form.name == "deepseek_v4", bool(form.transposed)
 
 
 def forced_precision() -> str | None:
@@ -146,6 +159,78 @@ def _sinkhorn_log_bwd(z, d_h, hist_ptr, t64, tmask, T, iters, N: tl.constexpr):
 
 
 @triton.jit
+def _sum_eps(A, eps, AXIS: tl.constexpr):
+    """``sum(A, AXIS) + eps``, kept as a size-1 axis (fp32): the divisor of one normalisation
+    step of DeepSeek-V4's Sinkhorn, ``A / _sum_eps(A, eps, AXIS)``."""
+    return tl.expand_dims(tl.sum(A, axis=AXIS), AXIS) + eps
+
+
+@triton.jit
+def _softmax_rows(L):
+    """The softmax of ``L [BT, N, N]`` over each row (axis 2) (fp32)."""
+    e = tl.exp(L - tl.expand_dims(tl.max(L, axis=2), 2))
+    return e / tl.expand_dims(tl.sum(e, axis=2), 2)
+
+
+@triton.jit
+def _sinkhorn_dsv4(L, iters, eps):
+    """DeepSeek-V4's Sinkhorn of the logits ``L [BT, N, N]`` (axis 1 the row index ``i``,
+    axis 2 the column ``j``), in the linear domain:
+    ``M = softmax(L, rows) + eps; M /= (column sums + eps)``, then ``iters - 1`` times
+    ``M /= (row sums + eps); M /= (column sums + eps)`` (fp32)."""
+    M = _softmax_rows(L) + eps
+    M = M / _sum_eps(M, eps, 1)
+    for _ in range(iters - 1):
+        M = M / _sum_eps(M, eps, 2)
+        M = M / _sum_eps(M, eps, 1)
+    return M
+
+
+@triton.jit
+def _normalize_bwd(B, S, dB, AXIS: tl.constexpr):
+    """The gradient of ``A`` of ``B = A / S``, ``S = sum(A, AXIS) + eps``, given ``dB``:
+    ``dA = (dB - sum(dB * B, AXIS)) / S``."""
+    return (dB - tl.expand_dims(tl.sum(dB * B, axis=AXIS), AXIS)) / S
+
+
+@triton.jit
+def _sinkhorn_dsv4_bwd(z, d_m, hist_ptr, t64, tmask, T, iters, eps, N: tl.constexpr):
+    """The gradient of the logits ``z [BT, N, N]`` of ``_sinkhorn_dsv4(z, iters, eps)`` given
+    the gradient ``d_m`` of that result (fp32, exact). The iterations are replayed once from
+    ``z``; the input of each row + column pair ``k = 1 .. iters-1`` (the state after the
+    pair before) goes to the scratch ``hist [iters, T, N*N]`` at row ``k - 1`` (rows ``t64``,
+    written and read back by this program). The walk back recomputes each pair's two
+    normalisations from its input (:func:`_normalize_bwd`), then the first column
+    normalisation from ``A_0 = P + eps`` and the softmax ``P``:
+    ``dz = P * (dA_0 - sum(dA_0 * P, over each row))``."""
+    i = tl.arange(0, N)
+    ij = i[:, None] * N + i[None, :]
+    P = _softmax_rows(z)
+    M = P + eps
+    M = M / _sum_eps(M, eps, 1)
+    for k in range(iters - 1):
+        row = t64 + k * T  # int64
+        tl.store(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :], M,
+                 mask=tmask[:, None, None])
+        M = M / _sum_eps(M, eps, 2)
+        M = M / _sum_eps(M, eps, 1)
+    tl.debug_barrier()
+    G = d_m
+    for kk in range(iters - 1):
+        row = t64 + (iters - 2 - kk) * T
+        A = tl.load(hist_ptr + row[:, None, None] * (N * N) + ij[None, :, :],
+                    mask=tmask[:, None, None], other=1.0)  # (no 0/0 for masked tokens)
+        s_row = _sum_eps(A, eps, 2)
+        R = A / s_row
+        s_col = _sum_eps(R, eps, 1)
+        G = _normalize_bwd(R, s_row, _normalize_bwd(R / s_col, s_col, G, 1), 2)
+    A0 = P + eps
+    s_col = _sum_eps(A0, eps, 1)
+    G = _normalize_bwd(A0 / s_col, s_col, G, 1)
+    return P * (G - tl.expand_dims(tl.sum(G * P, axis=2), 2))
+
+
+@triton.jit
 def _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, MP: tl.constexpr):
     """Load Ht for a token block and return the pre/post/res logits (fp32)."""
     i = tl.arange(0, N)
@@ -172,21 +257,23 @@ class KernelTiles:
     "Tile search").
 
     The projection streams phi once per token block (L2), so blocks of 64 tokens keep phi's
-    traffic below x's. The mapping kernels are a serial chain of log-normalisations per
-    program (latency, not bandwidth): one warp a program keeps every reduction in shuffles
-    (no cross-warp round trips), and 16 tokens a program spread the chains over the SMs at
-    short sequences (64 tokens and 4 warps a program are slower: ``benchmarks/RESULTS.md``,
-    "Tried and dropped"). n=8 pads the mapping to 128 columns and needs smaller projection
-    tiles to fit shared memory. Reductions over K / C / T are split across programs (fp32
-    partials, summed in a fixed order) so that about ``target_programs`` programs are in
-    flight. "loop stages": the streaming loops of the combine's backward and of pre's dx
-    pass are software-pipelined as a whole (``tl.range(..., num_stages=...)``): a launch's
-    ``num_stages`` pipelines only the loads that feed a ``tl.dot``."""
+    traffic below x's. The mapping kernels are a serial chain of log-normalisations per program
+    (latency, not bandwidth): one warp a program keeps every reduction in shuffles (no
+    cross-warp round trips), and 16 tokens a program spread the chains over the SMs at short
+    sequences (64 tokens and 4 warps a program are slower: ``benchmarks/RESULTS.md``, "Tried and
+    dropped"). The output head's weight kernels have no such chain (a sigmoid a weight): larger
+    blocks (not tuned). n=8 pads the mapping to 128 columns and needs smaller projection tiles
+    to fit shared memory. Reductions over K / C / T are split across programs (fp32 partials,
+    summed in a fixed order) so that about ``target_programs`` programs are in flight. "loop
+    stages": the streaming loops of the combine's backward and of pre's dx pass are
+    software-pipelined as a whole (``tl.range(..., num_stages=...)``): a launch's ``num_stages``
+    pipelines only the loads that feed a ``tl.dot``."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
     maps: tuple = (16, 1)                   # per-token mapping math (Sinkhorn): (tokens, warps)
+    head: tuple = (64, 4)                   # output head's per-token weights: (tokens, warps)
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4, 2)     # (tokens, channels per step, warps, loop stages)

@@ -1,9 +1,11 @@
 """The fused Triton "pre" op of mHC: dynamic mappings and aggregate, forward and backward.
 
-``pre(x [T, n, C], phi [m, n*C], alpha [3], bias [m]) -> (y [T, C], h_pre [T, n],
+``pre(x [T, n, C], phi [m, n*C], alpha [3], bias [m], form=PAPER) -> (y [T, C], h_pre [T, n],
 h_post [T, n], h_res [T, n, n])``, the math of :func:`mhc_megatron.kernels.reference.pre`
-(``m = 2n + n^2``, mappings fp32), and ``aggregate(x, h_pre) -> y`` (pre's ``y`` again, bit
-for bit: what ``mhc_recompute`` replays).
+(``m = 2n + n^2``, mappings fp32) in the mapping form ``form`` (the paper's or DeepSeek-V4's,
+``h_res`` transposed or not: :class:`~mhc_megatron.kernels.reference.MappingForm`; constexpr
+branches of the mapping kernels, so each form compiles on its own), and
+``aggregate(x, h_pre) -> y`` (pre's ``y`` again, bit for bit: what ``mhc_recompute`` replays).
 
 Layout: the forward kernels (projection, mappings, aggregate) and their launch plans in
 :mod:`~mhc_megatron.kernels.triton_pre_fwd`; the backward kernels (``dH_pre``, mappings
@@ -11,7 +13,7 @@ backward, the dx + dphi pass, the parameter gradients) and theirs in
 :mod:`~mhc_megatron.kernels.triton_pre_bwd`; here the autograd function that launches them
 in order and the entry points.
 
-Host side: the launch shapes of a (T, n, C, dtype) are computed once
+Host side: the launch shapes of a (T, n, C, dtype, form) are computed once
 (:func:`~mhc_megatron.kernels.triton_common.plan`) and the kernels launched through
 :class:`~mhc_megatron.kernels.launch.Launcher`.
 """
@@ -21,12 +23,13 @@ from __future__ import annotations
 import torch
 
 from mhc_megatron.kernels.handoff import DxLink
-from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
+from mhc_megatron.kernels.reference import PAPER, aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     _check,
     _padded_m,
     contiguous_f32,
     forced_precision,
+    form_flags,
     plan,
     streams_operand,
 )
@@ -52,7 +55,8 @@ class _PreFn(torch.autograd.Function):
     token."""
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None):
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None, form=PAPER):
+        dsv4, transposed = form_flags(form)
         x, bcast = streams_operand(x)
         x3 = as_tokens(x, n_streams)
         T, n, C = x3.shape
@@ -67,18 +71,20 @@ class _PreFn(torch.autograd.Function):
         ht = torch.empty(T, mp, device=dev, dtype=f32)
         rstd = torch.empty(T, device=dev, dtype=f32)
         if T > 0:
-            p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast)
+            p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
+                     transposed)
             part = torch.empty(p.splits, T, mp, device=dev, dtype=f32)
             part_ss = torch.empty(p.splits, T, device=dev, dtype=f32)
             _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
-                      ht, rstd, T, p.K, p.splits, float(eps), int(iters))
+                      ht, rstd, T, p.K, p.splits, float(eps), int(iters), float(form.eps))
             _launch_aggregate(x3, h_pre, y, bcast)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.bcast = bcast
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
         ctx.link = link
+        ctx.form = (dsv4, transposed, float(form.eps))
         ctx.set_materialize_grads(False)  # unused outputs get None: their work is skipped
         return y, h_pre, h_post, h_res
 
@@ -90,14 +96,15 @@ class _PreFn(torch.autograd.Function):
         g_combine = h_res_combine = None  # the combine's upstream gradient and H_res
         if ctx.link is not None and ctx.link.pending is not None:
             (g_combine, h_res_combine), ctx.link.pending = ctx.link.pending, None
+        dsv4, transposed, form_eps = ctx.form
         p = plan(_PreBackwardPlan, T, n, C, x.dtype, forced_precision(), dh_pre is not None,
-                 g_combine is not None, ctx.bcast)
+                 g_combine is not None, ctx.bcast, dsv4, transposed)
         dphi = torch.empty(p.m, p.K, device=dev, dtype=phi.dtype)
         dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
         dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
             dx = x.new_zeros(x.shape)
-            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None
+            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None, None
         dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
@@ -112,7 +119,7 @@ class _PreFn(torch.autograd.Function):
         hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
         dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
         _MAPS_BWD((p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre, dh_post, dh_res, ht,
-                  rstd, alpha, bias, red_part, dp, coef, hist, T, p.K, ctx.iters)
+                  rstd, alpha, bias, red_part, dp, coef, hist, T, p.K, ctx.iters, form_eps)
         del hist
         fold = g_combine is not None
         _launch_dx_dphi(p, x, dy, h_pre, dp, coef, phi,
@@ -120,15 +127,17 @@ class _PreFn(torch.autograd.Function):
                         dx, dphi_part, T, C, p.dx_per)
         _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
                      p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
-        return dx, dphi, dalpha, dbias, None, None, None, None
+        return dx, dphi, dalpha, dbias, None, None, None, None, None
 
 
-def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None):
+def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER):
     """Fused mappings + aggregate: ``(y, h_pre [T,n], h_post [T,n], h_res [T,n,n])`` for
     ``x [T, n, C]`` (``y [T, C]``) or, with ``n`` given, for the streams ``x [..., n*C]``
-    (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph)."""
+    (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph).
+    The mappings in ``form`` (a :class:`~mhc_megatron.kernels.reference.MappingForm`: the
+    paper's, or DeepSeek-V4's; ``transposed``: ``h_res = M^T``)."""
     link = DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n)
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs

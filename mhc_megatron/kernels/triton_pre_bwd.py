@@ -1,17 +1,21 @@
 """The backward kernels of the fused Triton "pre" op (:mod:`~mhc_megatron.kernels.triton_pre`)
 and their launch plan.
 
-``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd`` (sigmoid and
-Sinkhorn backward, exact: the iterations are replayed once from the logits into an fp32
-scratch and walked back; writes per token block the sums of the logit gradients for
-``dalpha``/``dbias``, and ``dP`` and the RMS term), ``_pre_dx_dphi`` (one more pass over x:
-``dx`` and the ``dphi`` partials together; adds the combine's ``dx``, ``H_res^T g``, from the
-upstream gradient ``g`` the combine hands over by
-:class:`~mhc_megatron.kernels.handoff.DxLink`) and ``_param_grads`` (the fixed-order sums of
-the partials into ``dphi``, ``dbias``, ``dalpha`` in the parameters' dtypes).
+``_dhpre_partial`` (``dH_pre`` partials over C splits), ``_mappings_bwd`` (sigmoid and Sinkhorn
+backward, the paper's form or DeepSeek-V4's, exact: the iterations are replayed once from the
+logits into an fp32 scratch and walked back; writes per token block the sums of the logit
+gradients for ``dalpha``/``dbias``, and ``dP`` and the RMS term), ``_pre_dx_dphi`` (one more
+pass over x: ``dx`` and the ``dphi`` partials together; adds the combine's ``dx``,
+``H_res^T g``, from the upstream gradient ``g`` the combine hands over by
+:class:`~mhc_megatron.kernels.handoff.DxLink`) and ``_param_grads`` (the fixed-order sums of the
+partials into ``dphi``, ``dbias``, ``dalpha`` in the parameters' dtypes).
 
-Host side: the launch shapes of a (T, n, C, dtype) (:class:`_PreBackwardPlan`, computed once
-by :func:`~mhc_megatron.kernels.triton_common.plan`), a
+``_dhpre_partial``, ``_pre_dx_dphi`` and ``_param_grads`` also run the output head's backward
+(:mod:`~mhc_megatron.kernels.triton_head`, with ``M = n`` projection rows and one alpha).
+
+Host side: the launch shapes of a (T, n, C, dtype, form) (:class:`_PreBackwardPlan`, computed
+once by :func:`~mhc_megatron.kernels.triton_common.plan`; the shapes it shares with the head's
+in :class:`_BackwardShapes`), a
 :class:`~mhc_megatron.kernels.launch.Launcher` per kernel, and :func:`_launch_dx_dphi` (the dx
 pass at as many loop stages as fit in shared memory).
 """
@@ -32,6 +36,7 @@ from mhc_megatron.kernels.triton_common import (
     _dot_precision,
     _mapping_logits,
     _padded_m,
+    _sinkhorn_dsv4_bwd,
     _sinkhorn_log_bwd,
     _splits,
     _sweep_bc,
@@ -64,21 +69,29 @@ def _dhpre_partial(x_ptr, dy_ptr, part_ptr, T, C, C_PER_SPLIT, N: tl.constexpr,
 
 @triton.jit
 def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rstd_ptr,
-                  alpha_ptr, bias_ptr, red_ptr, dp_ptr, coef_ptr, hist_ptr, T, K, iters,
-                  HAS_DHPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """Per token block: sigmoid and Sinkhorn backward, then the logit grads dz, dP (its
-    padding columns zeroed) and the RMS coefficient for dx.
+                  alpha_ptr, bias_ptr, red_ptr, dp_ptr, coef_ptr, hist_ptr, T, K, iters, form_eps,
+                  HAS_DHPRE: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr,
+                  DSV4: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Per token block: sigmoid and Sinkhorn backward, then the logit grads dz, dP [T, MP]
+    (its padding columns zeroed) and the RMS coefficient [T] for dx. The mappings' form as in
+    ``triton_pre_fwd._mappings_fwd`` (DSV4, TRANSPOSED: ``dh_res [T, N, N]`` is then the
+    gradient of ``M^T``, read transposed; ``form_eps``).
 
     dz is only summed over tokens: this program writes its block's sums to
     ``red [program, MP]``, columns ``[0, M)`` the bias grads (sum of dz) and ``[M, M+3)``
     the alpha grads (sum of dz * Ht per pre / post / res group); the caller sums the rows.
 
-    The Sinkhorn backward (:func:`~mhc_megatron.kernels.triton_common._sinkhorn_log_bwd`)
-    replays the iterations once from the logits into the scratch ``hist [iters, T, N*N]``
-    (fp32, written and read back by the same program), then walks them in reverse."""
+    The Sinkhorn backward (:func:`~mhc_megatron.kernels.triton_common._sinkhorn_log_bwd`, or
+    with DSV4 :func:`~mhc_megatron.kernels.triton_common._sinkhorn_dsv4_bwd`) replays the
+    iterations once from the logits into the scratch ``hist [iters, T, N*N]`` (fp32, written
+    and read back by the same program), then walks them in reverse."""
     t, tmask, t64 = token_block(T, BT)
     i = tl.arange(0, N)
     ij = i[:, None] * N + i[None, :]
+    if TRANSPOSED:
+        ij_res = i[:, None] + i[None, :] * N
+    else:
+        ij_res = ij
     d_pre = tl.zeros([BT, N], dtype=tl.float32)
     for s in range(SPLITS):
         d_pre += tl.load(part_ptr + (s * T + t64)[:, None] * N + i[None, :], mask=tmask[:, None],
@@ -94,9 +107,12 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
     d_post = tl.load(dhpost_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
     dz_post = d_post * 2.0 * s_post * (1.0 - s_post)
 
-    d_res = tl.load(dhres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
+    d_res = tl.load(dhres_ptr + t64[:, None, None] * (N * N) + ij_res[None, :, :],
                     mask=tmask[:, None, None], other=0.0)
-    dz_res = _sinkhorn_log_bwd(z_res, d_res, hist_ptr, t64, tmask, T, iters, N)
+    if DSV4:
+        dz_res = _sinkhorn_dsv4_bwd(z_res, d_res, hist_ptr, t64, tmask, T, iters, form_eps, N)
+    else:
+        dz_res = _sinkhorn_log_bwd(z_res, d_res, hist_ptr, t64, tmask, T, iters, N)
 
     # masked tokens have dz = 0 (their upstream grads load as 0) and Ht = 0
     M: tl.constexpr = 2 * N + N * N
@@ -188,13 +204,14 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
 @triton.jit
 def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS, SPLIT_STRIDE,
                  MK, ROWS, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
-                 ROWS_STEP: tl.constexpr):
+                 ROWS_STEP: tl.constexpr, NALPHA: tl.constexpr):
     """The parameter gradients from their partials, summed in a fixed order.
 
     Programs ``0 .. P-2``: ``dphi.flat[i] = sum_s dphi_part[s].flat[i]`` for ``i < M*K``
     (``dphi_part [SPLITS, MP, K]``: its first ``M`` rows, flattened, are ``dphi``'s layout).
     The last program: ``dbias[j] = sum_r red[r, j]`` and ``dalpha[g] = sum_r red[r, M + g]``
-    (``red [ROWS, MP]``, written by ``_mappings_bwd``)."""
+    for the ``NALPHA`` alphas (``red [ROWS, MP]``, ``M + NALPHA <= MP``, written by
+    ``_mappings_bwd``: 3 alphas, or the output head's weight kernel: 1)."""
     pid = tl.program_id(0)
     if pid == tl.num_programs(0) - 1:
         j = tl.arange(0, MP)
@@ -206,7 +223,7 @@ def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS
         red = tl.sum(red2, axis=0)
         tl.store(dbias_ptr + j, red.to(dbias_ptr.dtype.element_ty), mask=j < M)
         tl.store(dalpha_ptr + (j - M), red.to(dalpha_ptr.dtype.element_ty),
-                 mask=(j >= M) & (j < M + 3))
+                 mask=(j >= M) & (j < M + NALPHA))
     else:
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < MK
@@ -226,38 +243,52 @@ _PARAM_GRADS_BLOCK = 1024
 logger = logging.getLogger(__name__)
 
 
-class _PreBackwardPlan:
-    """Launch shapes of pre's backward for ``x [T, n, C]`` of ``dtype``."""
+class _BackwardShapes:
+    """The launch shapes pre's backward and the output head's
+    (:mod:`~mhc_megatron.kernels.triton_head`) share, for ``x [T, n, C]`` of ``dtype``: the
+    ``dH_pre`` (head: ``dw``) partials (``dh_*``), the dx + dphi pass (``dx_*``, ``m``
+    projection rows padded to ``mp``) and the parameter gradients (``grads_*``: ``nalpha``
+    alphas, ``map_programs`` rows of block sums)."""
 
-    def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
-                 has_dhpre: bool, has_g: bool, bcast: bool):
-        self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
+    def _shapes(self, T: int, n: int, C: int, m: int, mp: int, map_programs: int,
+                dtype: torch.dtype, forced: str | None, has_g: bool, bcast: bool, nalpha: int):
+        self.m, self.mp, self.K, self.map_programs = m, mp, n * C, map_programs
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.dh_splits, per = _splits(cdiv(T, bt), C, bc)
         self.dh_grid = (cdiv(T, bt), self.dh_splits)
         self.dh_per = per
         self.dh_meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
-        map_bt, map_warps = TILES.maps
-        self.map_programs = max(cdiv(T, map_bt), 1)
-        self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt,
-                             num_warps=map_warps)
         bt_dx, bc_dx, warps_dx, stages_dx = TILES.dx
         bc_dx = min(bc_dx, max(16, next_pow2(C)))
         dx_blocks = n * cdiv(C, bc_dx)
         self.dx_splits, self.dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         self.dx_grid = (dx_blocks, self.dx_splits)
-        self.dx_meta = Meta(HAS_G=has_g, N=n, M=self.m, MP=self.mp, BT=bt_dx, BC=bc_dx,
+        self.dx_meta = Meta(HAS_G=has_g, N=n, M=m, MP=mp, BT=bt_dx, BC=bc_dx,
                             PREC=_dot_precision(dtype, forced), X_BCAST=bcast,
                             LOOP_STAGES=stages_dx, num_warps=warps_dx, num_stages=stages_dx)
-        mk = self.m * self.K
+        mk = m * self.K
         self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
-        self.grads_meta = Meta(M=self.m, MP=self.mp, BLOCK=_PARAM_GRADS_BLOCK,
-                               ROWS_STEP=max(1, min(32, next_pow2(self.map_programs))),
-                               num_warps=4)
+        self.grads_meta = Meta(M=m, MP=mp, BLOCK=_PARAM_GRADS_BLOCK,
+                               ROWS_STEP=max(1, min(32, next_pow2(map_programs))),
+                               NALPHA=nalpha, num_warps=4)
 
 
+class _PreBackwardPlan(_BackwardShapes):
+    """Launch shapes of pre's backward for ``x [T, n, C]`` of ``dtype``, the mappings in the
+    form ``dsv4`` / ``transposed``
+    (:func:`~mhc_megatron.kernels.triton_common.form_flags`)."""
 
-def _launch_dx_dphi(p: _PreBackwardPlan, *args) -> None:
+    def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
+                 has_dhpre: bool, has_g: bool, bcast: bool, dsv4: bool = False,
+                 transposed: bool = False):
+        map_bt, map_warps = TILES.maps
+        self._shapes(T, n, C, 2 * n + n * n, _padded_m(n), max(cdiv(T, map_bt), 1), dtype,
+                     forced, has_g, bcast, 3)
+        self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt, DSV4=dsv4,
+                             TRANSPOSED=transposed, num_warps=map_warps)
+
+
+def _launch_dx_dphi(p: _BackwardShapes, *args) -> None:
     """``_pre_dx_dphi`` at its plan's loop stages, one stage fewer (kept in the plan) each time
     the GPU's shared memory cannot hold them: with the combine's ``g`` a stage buffers n
     stream tiles of it, too many for 3 stages at n=8 in fp32 on an H100."""

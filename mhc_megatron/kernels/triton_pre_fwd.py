@@ -3,9 +3,10 @@ and their launch plans.
 
 ``_proj_partial`` (projection ``x @ phi^T`` with ``tl.dot`` and the sum of squares, on a
 (token block x K split) grid walked from the last tokens down), ``_mappings_fwd`` (per
-token: sum of the partials, RMS, sigmoids, log-domain Sinkhorn in registers),
-``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid walked up): each
-starts on the token rows the kernel before it read or wrote last, still in L2
+token: sum of the partials, RMS, sigmoids, Sinkhorn in registers: the paper's log-domain one
+or DeepSeek-V4's), ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x channel)
+grid walked up): each starts on the token rows the kernel before it read or wrote last, still
+in L2
 (:func:`~mhc_megatron.kernels.triton_common.token_rows`). ``x [T, n, C]`` (or one broadcast
 row a token, ``X_BCAST``), ``phi [m, n*C]`` (``m = 2n + n^2``), mappings fp32.
 
@@ -31,6 +32,7 @@ from mhc_megatron.kernels.triton_common import (
     _mapping_logits,
     _padded_m,
     _projection_splits_phi,
+    _sinkhorn_dsv4,
     _sinkhorn_log,
     _splits,
     _sweep_bc,
@@ -91,9 +93,15 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, C, K_PER_SPLIT,
 
 @triton.jit
 def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters,
-                  N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr):
-    """Sum the split partials in order, then Ht, rstd and the mappings for a token block."""
+                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters, form_eps,
+                  N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, DSV4: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
+    """Sum the split partials in order, then Ht [T, MP], rstd [T] and the mappings
+    (``h_pre``, ``h_post [T, N]``, ``h_res [T, N, N]``) for a token block.
+
+    The paper's form, or with DSV4 DeepSeek-V4's (``h_pre = sigmoid + form_eps``, the
+    linear-domain Sinkhorn :func:`~mhc_megatron.kernels.triton_common._sinkhorn_dsv4`);
+    TRANSPOSED stores ``h_res = M^T`` (``M[i, j]`` at ``j*N + i``)."""
     t, tmask, t64 = token_block(T, BT)
     mcol = tl.arange(0, MP)
     acc = tl.zeros([BT, MP], dtype=tl.float32)
@@ -109,12 +117,21 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
     z_pre, z_post, z_res, _, _, _, _, _, _ = _mapping_logits(ht_ptr, alpha_ptr, bias_ptr, t64,
                                                              tmask, N, MP)
     i = tl.arange(0, N)
-    ij = i[:, None] * N + i[None, :]
-    tl.store(hpre_ptr + t64[:, None] * N + i[None, :], tl.sigmoid(z_pre), mask=tmask[:, None])
+    if TRANSPOSED:
+        ij = i[:, None] + i[None, :] * N
+    else:
+        ij = i[:, None] * N + i[None, :]
+    if DSV4:
+        h_pre = tl.sigmoid(z_pre) + form_eps
+        h_res = _sinkhorn_dsv4(z_res, iters, form_eps)
+    else:
+        h_pre = tl.sigmoid(z_pre)
+        h_res = tl.exp(_sinkhorn_log(z_res, iters))
+    tl.store(hpre_ptr + t64[:, None] * N + i[None, :], h_pre, mask=tmask[:, None])
     tl.store(hpost_ptr + t64[:, None] * N + i[None, :], 2.0 * tl.sigmoid(z_post),
              mask=tmask[:, None])
-    tl.store(hres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :],
-             tl.exp(_sinkhorn_log(z_res, iters)), mask=tmask[:, None, None])
+    tl.store(hres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], h_res,
+             mask=tmask[:, None, None])
 
 
 @triton.jit
@@ -147,10 +164,12 @@ class _AggregatePlan:
 
 
 class _PreForwardPlan:
-    """Launch shapes of pre's forward for ``x [T, n, C]`` (T > 0) of ``dtype``."""
+    """Launch shapes of pre's forward for ``x [T, n, C]`` (T > 0) of ``dtype``, the mappings
+    in the form ``dsv4`` / ``transposed``
+    (:func:`~mhc_megatron.kernels.triton_common.form_flags`)."""
 
     def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
-                 bcast: bool):
+                 bcast: bool, dsv4: bool = False, transposed: bool = False):
         self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
         bt, bk, warps, stages = TILES.proj[n]
         self.splits, self.per = _splits(cdiv(T, bt), self.K, bk)
@@ -162,7 +181,8 @@ class _PreForwardPlan:
                               num_stages=stages)
         map_bt, map_warps = TILES.maps
         self.map_grid = (cdiv(T, map_bt),)
-        self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, num_warps=map_warps)
+        self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, DSV4=dsv4, TRANSPOSED=transposed,
+                             num_warps=map_warps)
 
 
 

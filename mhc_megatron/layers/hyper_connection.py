@@ -12,7 +12,7 @@ from torch import Tensor
 
 from mhc_megatron.config import MHCTransformerConfig, mhc_setting
 from mhc_megatron.kernels import select_ops
-from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients, output_head
+from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients
 from mhc_megatron.layers.streams import is_broadcast_streams
 from mhc_megatron.recompute.manager import record_as, run_recorded
 
@@ -102,7 +102,8 @@ class StreamOutputHead(MappingParameters):
     (:func:`mhc_megatron.kernels.reference.output_head`; ``eps`` = ``mhc_mapping_eps``, ``r``
     with ``mhc_rms_eps``). ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``, initialised as
     DeepSeek-V4's (``phi`` ~ ``config.init_method``, ``alpha`` = 1, ``bias`` = 0). Runs the
-    PyTorch reference (fp32 inside)."""
+    op of ``config.mhc_kernel_backend`` (fused Triton, or the PyTorch reference; fp32 inside)
+    on the streams as they are (no reshape in the autograd graph)."""
 
     def __init__(self, config, hidden_size: int | None = None):
         super().__init__(config, hidden_size, config.num_residual_streams, alphas=1)
@@ -119,10 +120,9 @@ class StreamOutputHead(MappingParameters):
             raise ValueError(
                 f"the output head expects the residual streams [s, b, {self.n}*{self.hidden_size}]"
                 f", got {tuple(streams.shape)}. Fix: use mhc_megatron's specs for every layer.")
-        x = streams.reshape(s * b, self.n, self.hidden_size)
-        out = output_head(x, self.phi, self.alpha, self.bias, self.config.mhc_rms_eps,
-                          self.config.mhc_mapping_eps)
-        return out.view(s, b, self.hidden_size)
+        ops = select_ops(self.config.mhc_kernel_backend, streams, self.n)
+        return ops.output_head(streams, self.phi, self.alpha, self.bias, self.config.mhc_rms_eps,
+                               self.config.mhc_mapping_eps, n=self.n)
 
 
 class HyperConnectionModule(MappingParameters):
@@ -214,12 +214,9 @@ class HyperConnectionModule(MappingParameters):
         self._check_streams(streams)
         ops = self._ops(streams)
         x, n = self._op_input(streams)
-        # the paper's form is every backend's default; another form runs on the reference,
-        # which takes it (select_ops)
-        form = {} if self.mapping == PAPER else {"form": self.mapping}
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps, n=n, **form)
+                                          self.config.mhc_rms_eps, n=n, form=self.mapping)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
         # kept per-token mappings
         record_as(y, ops.aggregate, x, h_pre, n=n)
