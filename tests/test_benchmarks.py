@@ -99,3 +99,29 @@ def test_compare_runs_table_and_plot(tmp_path):
     assert float(rows["b mHC"][1]) == pytest.approx(-0.1)
     assert float(rows["a mHC"][2]) == pytest.approx(500.0)  # ms a step
     assert plot.stat().st_size > 0
+
+
+def test_bench_dsv4_dry_run_table(tmp_path):
+    """``bench_dsv4.py --dry-run`` (CPU, reference ops) prints every op's row with the table's
+    columns, the correctness gate included (the reference against its fp32 self: bf16
+    rounding only)."""
+    out = tmp_path / "dsv4.md"
+    text = run_script("benchmarks/bench_dsv4.py", "--dry-run", "--out", str(out))
+    written = out.read_text()
+    assert "### T=64, C=256" in text and "### T=64, C=256" in written
+    header = next(line for line in written.splitlines() if line.startswith("| op |"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "op", "impl", "ms", "GB/s", "% of copy BW", "/ baseline", "max rel err"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in written.splitlines()
+            if line.startswith("| ") and not line.startswith("| op |")]
+    ops = ["pre fwd", "combine fwd", "head fwd", "pre fwd+bwd", "combine fwd+bwd",
+           "head fwd+bwd", "sublayer fwd+bwd"]
+    assert {r[0] for r in rows} == set(ops)
+    assert {(r[0], r[1]) for r in rows} >= {(op, "reference (DSV4)") for op in ops}
+    assert {r[0] for r in rows if r[1] == "reference (paper)"} == {
+        "pre fwd", "pre fwd+bwd", "sublayer fwd+bwd"}
+    for r in rows:
+        assert len(r) == 7 and float(r[2]) > 0 and r[4].endswith("%")
+        assert 0 <= float(r[6]) < 2e-2, r  # max rel err: bf16 rounding against fp32
+        if r[1] == "reference (DSV4)":
+            assert r[5] == "1.00"
