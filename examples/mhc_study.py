@@ -9,14 +9,19 @@ depth (forward and backward), and the gradient norms of the mHC parameters.
 
 Variants (``--variants``), ``name=key:value,...`` with keys ``static`` (residual | zero),
 ``diag`` (H_res diagonal for residual), ``gating`` (mhc_init_gating_factor), ``params``
-(storage of the mapping parameters: fp32, or params = the model's params_dtype); ``baseline``
-is Megatron's own layer. Default: ours (residual, diagonal 0.95), Megatron-LM's zero bias, an
+(storage of the mapping parameters: fp32, or params = the model's params_dtype), ``variant``
+(``mhc_variant``: paper | deepseek_v4, DeepSeek-V4's conventions with its learned output
+head); ``baseline`` is Megatron's own layer. Default: ours (residual, diagonal 0.95), Megatron-LM's zero bias, an
 intermediate diagonal (0.6), ours with a 10x gating factor, and ours with bf16-stored mapping
 parameters (with ``--precision bf16``; the others then keep them in fp32, ``--mhc-params``).
 
     python examples/mhc_study.py --preset smoke --seeds 1 --out out/study_smoke   # CPU check
     python examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32 \
         --attention sdpa --seeds 3 --out out/study                                # the study
+    python examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32 \
+        --attention sdpa --seeds 2 --out out/study_dsv4 --variants baseline \
+        mhc-ours=static:residual,diag:0.95,gating:0.01 \
+        mhc-dsv4=static:residual,diag:0.95,gating:0.01,variant:deepseek_v4  # DeepSeek-V4's
     python examples/mhc_study.py --report out/study                               # plot + table
 
 Writes ``<out>/study.json`` (appended run by run, so a stopped study keeps what finished),
@@ -60,7 +65,8 @@ def parse_variant(text: str) -> tuple[str, dict | None]:
         return "baseline", None
     name, _, spec = text.partition("=")
     keys = {"static": ("mhc_init_static_mapping", str), "diag": ("mhc_init_res_diagonal", float),
-            "gating": ("mhc_init_gating_factor", float), "params": ("mhc_params_dtype", _dtype)}
+            "gating": ("mhc_init_gating_factor", float), "params": ("mhc_params_dtype", _dtype),
+            "variant": ("mhc_variant", str)}
     overrides = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition(":")
@@ -156,8 +162,9 @@ def report(out: str) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in runs))
     lines = ["| variant | seeds | final val loss (mean +- std) | minus baseline, paired "
              "(mean +- std; per seed) | H_res diag (mean over sublayers) | H_res diag per-token "
-             "spread (max) | composite gain fwd / bwd (max) | s / run |",
-             "|---|---|---|---|---|---|---|---|"]
+             "spread (max) | composite gain fwd / bwd (max) | last sublayer's H_res gradient "
+             "/ the sublayer before's (bias rows, mean over evaluations) | s / run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,8 +193,13 @@ def report(out: str) -> str:
                 d_mean, d_std = _mean_std(per_step[-1])
                 delta = (f"{d_mean:+.4f} +- {d_std:.4f}; "
                          + ", ".join(f"{d:+.3f}" for d in per_step[-1]))
-        diag = spread = gain = "-"
+        diag = spread = gain = last_res = "-"
         last = [d for d in map(_last_diagnostics, rs) if d]
+        res_ratios = [d["grad_norms"][-1].get("bias_res", 0.0) / d["grad_norms"][-2]["bias_res"]
+                      for r in rs for d in r["diagnostics"]
+                      if len(d["grad_norms"]) > 1 and d["grad_norms"][-2].get("bias_res")]
+        if res_ratios:
+            last_res = f"{statistics.fmean(res_ratios):.2e}"
         if last:
             diag = f"{statistics.fmean(statistics.fmean(s['h_res_diag_mean'] for s in d['sublayers']) for d in last):.3f}"
             spread = f"{max(max(s['h_res_diag_spread'] for s in d['sublayers']) for d in last):.3f}"
@@ -202,7 +214,7 @@ def report(out: str) -> str:
                 for i in range(len(diag_steps))], color=color, label=v)
         seconds = statistics.fmean(r["seconds"] for r in rs)
         lines.append(f"| {v} | {len(rs)} | {mean:.4f} +- {std:.4f} | {delta} | {diag} | {spread} "
-                     f"| {gain} | {seconds:.0f} |")
+                     f"| {gain} | {last_res} | {seconds:.0f} |")
     loss_ax.set(xlabel="step", ylabel="validation loss (nats/byte)",
                 title="validation loss: mean, min-max over seeds")
     delta_ax.axhline(0.0, color="black", lw=0.8)

@@ -17,12 +17,14 @@ def _run(*args, timeout=600):
 
 def test_smoke_study_records_diagnostics_and_reports(tmp_path):
     out = tmp_path / "study"
+    variants = ["baseline", "mhc-zero=static:zero,gating:0.01",
+                "mhc-dsv4=static:residual,diag:0.95,gating:0.01,variant:deepseek_v4"]
     proc = _run("--preset", "smoke", "--seeds", "1", "--corpus-mb", "2", "--out", str(out),
-                "--variants", "baseline", "mhc-zero=static:zero,gating:0.01")
+                "--variants", *variants)
     assert proc.returncode == 0, proc.stdout[-6000:]
     runs = json.loads((out / "study.json").read_text())
-    assert [r["variant"] for r in runs] == ["baseline", "mhc-zero"]
-    base, mhc = runs
+    assert [r["variant"] for r in runs] == ["baseline", "mhc-zero", "mhc-dsv4"]
+    base, mhc, dsv4 = runs
     assert base["diagnostics"] == [] and base["params"] < mhc["params"]
     assert len(mhc["diagnostics"]) == len(mhc["val_steps"]) == 2  # smoke: eval at 3 and 6
     last = mhc["diagnostics"][-1]
@@ -30,11 +32,18 @@ def test_smoke_study_records_diagnostics_and_reports(tmp_path):
     assert all(abs(s["h_res_diag_mean"] - 0.25) < 0.05 for s in last["sublayers"])  # zero: 1/n
     assert last["gain"]["backward_max"] == pytest.approx(1.0, abs=1e-4)
     assert all(g["phi"] > 0 for g in last["grad_norms"])
+    # the last sublayer's H_res: under the plain sum contraction its gradient vanishes (its
+    # columns sum to 1, so it cancels: orders of magnitude below the sublayer before it's);
+    # under DeepSeek-V4's learned output head it learns like the others
+    plain, head = (run["diagnostics"][-1]["grad_norms"] for run in (mhc, dsv4))
+    assert plain[-1]["bias_res"] < 1e-2 * plain[-2]["bias_res"], plain
+    assert head[-1]["bias_res"] > 0.1 * head[-2]["bias_res"], head
     assert (out / "study_val_loss.png").exists()
-    assert "| mhc-zero | 1 |" in (out / "study.md").read_text()
+    table = (out / "study.md").read_text()
+    assert "| mhc-zero | 1 |" in table and "| mhc-dsv4 | 1 |" in table
     again = _run("--preset", "smoke", "--seeds", "1", "--corpus-mb", "2", "--out", str(out),
-                 "--variants", "baseline", "mhc-zero=static:zero,gating:0.01")
-    assert again.returncode == 0 and len(json.loads((out / "study.json").read_text())) == 2  # resumed
+                 "--variants", *variants)
+    assert again.returncode == 0 and len(json.loads((out / "study.json").read_text())) == 3  # resumed
 
 
 def test_bad_variant_is_refused_before_training(tmp_path):
