@@ -192,8 +192,8 @@ class TileKernelsMHC:
             try:
                 y = self._f.mhc_head(x4, phi, alpha, bias, norm_eps=rms_eps,
                                      mhc_mult=n_streams, pre_eps=eps)
-            except Exception as exc:  # its non-compact mixes slice, refused by tilelang
-                if "compact" not in str(exc):
+            except RuntimeError as exc:  # its non-compact mixes slice, refused by tilelang
+                if "packed ABI" not in str(exc) and "compact" not in str(exc):
                     raise
                 self.head_composed = True
         if self.head_composed:
