@@ -1,14 +1,21 @@
-"""Rename the mHC parameters of a checkpoint file between naming schemes.
+"""Rename the mHC parameters of a checkpoint between naming schemes.
 
     python -m mhc_megatron.convert --from megatron_core --to deepseek model.safetensors out.safetensors
     python -m mhc_megatron.convert --from hf --to megatron_core state_dict.pt out.pt
+    python -m mhc_megatron.convert --from megatron_core --to megatron_lm ckpt/iter_0000100 lm_ckpt
+    python -m mhc_megatron.convert --from megatron_core --to hf ckpt/iter_0000100 mhc.safetensors
 
 Schemes and names: :mod:`mhc_megatron.checkpoint.names` (``megatron_core``: mhc-megatron's
 ``GPTModel`` state dict; ``hf``: Hugging Face transformers' DeepSeek-V4; ``deepseek``:
-DeepSeek's release; ``megatron_lm``: Megatron-LM's in-tree mHC). Files: ``.safetensors``
-(needs the ``safetensors`` package) or a ``torch.save``d state dict. Only the mHC parameters
-are renamed; the tensors are written as they are; the others pass through. A model that loads DeepSeek-V4 names computes DeepSeek-V4's
-math only with ``mhc_variant="deepseek_v4"``.
+DeepSeek's release; ``megatron_lm``: Megatron-LM's mHC and Megatron-Bridge's DeepSeek-V4).
+Inputs and outputs: ``.safetensors`` (needs the ``safetensors`` package), a ``torch.save``d
+state dict (``.pt``), or a Megatron distributed checkpoint directory
+(:mod:`mhc_megatron.checkpoint.dist_files`: its model tensors, stacked layers split for
+per-layer names; the optimizer state is left out). A directory output is written as a
+distributed checkpoint (``megatron_core`` / ``megatron_lm`` names; decoder layers stacked, as
+Megatron's GPT saves them). Only the mHC parameters are renamed (and our final norms' inner
+norm); the tensors are written as they are; the others pass through. A model that loads
+DeepSeek-V4 names computes DeepSeek-V4's math only with ``mhc_variant="deepseek_v4"``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,18 @@ import sys
 
 import torch
 
-from mhc_megatron.checkpoint.names import SCHEMES, convert_state_dict, parse_name
+from mhc_megatron.checkpoint.dist_files import (
+    DistCheckpoint,
+    is_dist_checkpoint,
+    read_dist_checkpoint,
+    stack_layers,
+    unstack_layers,
+    write_dist_checkpoint,
+)
+from mhc_megatron.checkpoint.names import SCHEMES, convert_state_dict, has_name, parse_name
+
+FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+PER_LAYER_SCHEMES = ("hf", "deepseek")  # names with a layer index only
 
 
 def load(path: str) -> dict:
@@ -48,24 +66,62 @@ def _safetensors():
     return safetensors.torch
 
 
+def convert_path(source_path: str, target_path: str, source: str, target: str,
+                 drop_unnamed: bool = False) -> tuple[int, int, int]:
+    """Convert the checkpoint at ``source_path`` (a file or a distributed checkpoint) from
+    ``source`` to ``target`` names into ``target_path`` (a file, by its suffix, or a
+    distributed checkpoint directory). Returns (mHC tensors renamed, others, dropped)."""
+    to_dist = not target_path.endswith(FILE_SUFFIXES)
+    if to_dist and target in PER_LAYER_SCHEMES:
+        raise ValueError(f"{target!r} names are for files: give {target_path!r} a .safetensors "
+                         "or .pt suffix (a distributed checkpoint holds megatron_core or "
+                         "megatron_lm names).")
+    ckpt = None
+    if is_dist_checkpoint(source_path):
+        ckpt = read_dist_checkpoint(source_path)
+        state = ckpt.tensors
+        if not to_dist or target in PER_LAYER_SCHEMES:
+            state = unstack_layers(state)
+    else:
+        state = load(source_path)
+    converted = convert_state_dict(state, source, target, drop_unnamed)
+    if to_dist:
+        if ckpt is None:  # a file: layers stacked as Megatron's GPT saves them
+            ckpt = DistCheckpoint(tensors=stack_layers(converted))
+        else:
+            ckpt.tensors = converted
+        write_dist_checkpoint(target_path, ckpt)
+    else:
+        save(converted, target_path)
+    params = [p for p in map(lambda k: parse_name(k, source), state) if p is not None]
+    dropped = sum(not has_name(p, target) for p in params) if drop_unnamed else 0
+    return len(params), len(state) - len(params), dropped
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc_megatron.convert",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", choices=SCHEMES, required=True)
     parser.add_argument("--to", dest="target", choices=SCHEMES, required=True)
     parser.add_argument("--drop-unnamed", action="store_true",
-                        help="leave out mHC parameters the target has no name for (hf: MTP; "
-                             "megatron_lm: MTP and the output head)")
-    parser.add_argument("input")
-    parser.add_argument("output")
+                        help="leave out mHC parameters the target has no name for (hf: MTP)")
+    parser.add_argument("input", help="a .safetensors / .pt file or a Megatron distributed "
+                        "checkpoint directory")
+    parser.add_argument("output", help="a .safetensors / .pt file, or a directory for a Megatron "
+                        "distributed checkpoint")
     args = parser.parse_args(argv)
-    state = load(args.input)
-    converted = convert_state_dict(state, args.source, args.target, args.drop_unnamed)
-    save(converted, args.output)
-    renamed = sum(parse_name(k, args.source) is not None for k in state)
+    try:
+        renamed, others, dropped = convert_path(args.input, args.output, args.source,
+                                                args.target, args.drop_unnamed)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        parser.exit(2, f"python -m mhc_megatron.convert: error: {error}\n")
     print(f"{args.input} ({args.source}) -> {args.output} ({args.target}): {renamed} mHC "
-          f"parameters renamed, {len(state) - renamed} others unchanged, "
-          f"{len(state) - len(converted)} dropped")
+          f"parameters renamed, {others} others unchanged, {dropped} dropped")
+    if not args.output.endswith(FILE_SUFFIXES) and not is_dist_checkpoint(args.input):
+        print("The distributed checkpoint was written from a file: it has the tensors but no "
+              "sharded objects (e.g. Transformer Engine's _extra_state). Load it non-strictly: "
+              "--dist-ckpt-strictness log_unexpected (megatron.training), or "
+              "dist_checkpointing.load(..., strict='log_unexpected').")
     return 0
 
 

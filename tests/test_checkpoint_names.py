@@ -167,9 +167,35 @@ def test_megatron_lm_names_round_trip(seeded):
     for key, value in state.items():
         if torch.is_tensor(value):
             assert torch.equal(back[key], value), key
-    with pytest.raises(ValueError, match=r"no output head.*Fix: "):
-        convert_state_dict(_dsv4_gpt(mtp_depths=None).state_dict(), "megatron_core",
-                           "megatron_lm")
     partial = {k: v for k, v in lm.items() if not k.endswith("alpha_res")}
     with pytest.raises(ValueError, match=r"alpha_res'\] missing"):
         convert_state_dict(partial, "megatron_lm", "megatron_core")
+
+
+def test_megatron_lm_deepseek_v4_names_round_trip(seeded):
+    """Megatron-LM's DeepSeek-V4 names (as Megatron-Bridge maps them): the heads as
+    ``decoder.hc_head_X`` and ``mtp.layers.d.hc_head_X`` (scale [1] as it is), the MTP depth's
+    hyper-connections under ``mtp_model_layer``, our final norms' inner norm as Megatron's
+    ``final_layernorm.weight``; back to ours bit for bit; Bridge's ``hc_head_params.`` form
+    reads the same."""
+    state = _dsv4_gpt().state_dict()
+    lm = convert_state_dict(state, "megatron_core", "megatron_lm")
+    n, c = 4, 32
+    assert lm["decoder.hc_head_fn"].shape == (n, n * c)
+    assert lm["decoder.hc_head_scale"].shape == (1,)
+    assert lm["mtp.layers.0.hc_head_base"].shape == (n,)
+    assert lm["mtp.layers.0.mtp_model_layer.mlp_hyper_connection.alpha_res"].shape == (1,)
+    assert "decoder.final_layernorm.weight" in lm and "mtp.layers.0.final_layernorm.weight" in lm
+    assert not [k for k in lm if ".head." in k or "final_layernorm.norm." in k]
+    back = convert_state_dict(lm, "megatron_lm", "megatron_core")
+    assert sorted(back) == sorted(state)
+    for key, value in state.items():
+        if torch.is_tensor(value):
+            assert torch.equal(back[key], value), key
+    bridge = {k.replace("decoder.hc_head_", "decoder.hc_head_params.hc_head_"): v
+              for k, v in lm.items()}
+    assert sorted(convert_state_dict(bridge, "megatron_lm", "megatron_core")) == sorted(state)
+    deepseek = convert_state_dict(lm, "megatron_lm", "deepseek")
+    assert torch.equal(deepseek["hc_head_fn"], state["decoder.final_layernorm.head.phi"])
+    assert torch.equal(deepseek["layers.1.hc_attn_scale"],
+                       state["decoder.layers.1.self_attention_hyper_connection.alpha"])

@@ -1,5 +1,14 @@
 """Checkpoint interchange: mHC weights between model layouts (GPT -> hybrid) and between the
-naming schemes of other checkpoints (Hugging Face, DeepSeek)."""
+naming schemes of other checkpoints (Hugging Face, DeepSeek, Megatron-LM), for files and
+Megatron distributed checkpoints."""
+
+from mhc_megatron.checkpoint.dist_files import (
+    DistCheckpoint,
+    read_dist_checkpoint,
+    stack_layers,
+    unstack_layers,
+    write_dist_checkpoint,
+)
 
 from mhc_megatron.checkpoint.gpt_to_hybrid import (
     gpt_hybrid_layer_pattern,
@@ -17,6 +26,11 @@ from mhc_megatron.checkpoint.names import (
 )
 
 __all__ = [
+    "DistCheckpoint",
+    "read_dist_checkpoint",
+    "stack_layers",
+    "unstack_layers",
+    "write_dist_checkpoint",
     "MHCParameter",
     "SCHEMES",
     "convert_state_dict",
