@@ -24,15 +24,11 @@ copy, read + write), the time over ours in DeepSeek-V4's form, and the max relat
 ``mhc_megatron.kernels.reference`` in fp32 in the same form, on the first ``--check-tokens``
 tokens of the same inputs.
 
-Prepare a GPU host without network (Python 3.12, torch, triton, numpy, nvcc there): carry
-``.tilekernels/`` (a copy of https://github.com/deepseek-ai/TileKernels, see
-``tilekernels_peer.py``) and the wheels in ``.whl_tile/part1``, ``.whl_tile/part2`` (each
-< 60 MiB: tilelang 0.1.11, apache-tvm-ffi 0.1.11, z3-solver, torch-c-dlpack-ext, ml-dtypes,
-cloudpickle, psutil, tqdm, packaging), then from the repository root::
+Prepare the GPU host as ``benchmarks/README.md`` says (TileKernels in ``.tilekernels/``,
+tilelang 0.1.11 and apache-tvm-ffi 0.1.11 in ``.whl_tile/site``), then from the repository
+root::
 
-    bash .whl_tile/part2/join.sh .whl_tile/site      # all parts; offline pip install --target
     PYTHONPATH=.whl_tile/site:. python3 benchmarks/bench_dsv4.py --out dsv4.md
-
     python3 benchmarks/bench_dsv4.py --sizes 16384x4096 --no-tilekernels   # ours only
     python benchmarks/bench_dsv4.py --dry-run     # CPU: tiny size, reference ops; plumbing only
 

@@ -6,7 +6,7 @@ its runtime (tilelang 0.1.11 with apache-tvm-ffi 0.1.11: 0.1.12 aborts at import
 ``nvcc`` to compile the kernels at first use)::
 
     git clone https://github.com/deepseek-ai/TileKernels .tilekernels   # or copy an export
-    pip install tilelang==0.1.11 apache-tvm-ffi==0.1.11                 # or .whl_tile/join.sh
+    pip install tilelang==0.1.11 apache-tvm-ffi==0.1.11   # offline: benchmarks/README.md
 
 ``load_tilekernels(root)`` puts ``root`` on ``sys.path``, imports ``tile_kernels`` and returns
 a :class:`TileKernelsMHC` whose ``pre`` / ``combine`` / ``output_head`` take and return our
