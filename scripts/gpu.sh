@@ -40,10 +40,13 @@ phases (variables that shape them on the right)
                                                    K, RECORD_GOLDEN=1 (record the GPU golden
                                                    losses into $OUT/golden first)
   pretrain   (2+ GPUs) examples/pretrain_gpt_mhc.py on the Python stdlib corpus: per
-             layout a baseline run and an mHC n=4 run stopped at STEPS/2 and resumed
-             from its checkpoint; benchmarks/pretrain_report.py
+             layout a baseline run, an mHC n=4 run stopped at STEPS/2 and resumed
+             from its checkpoint, and the same mHC run uninterrupted (the resume
+             check); benchmarks/pretrain_report.py
                                                    LAYOUT ("tp2sp dp2"; also pp2, and with 4
-                                                   GPUs tp2pp2, pp2dp2), STEPS (300), NGPU
+                                                   GPUs tp2pp2, pp2dp2), STEPS (300), NGPU,
+                                                   LOG_INTERVAL (10; 1: every step's loss),
+                                                   RESUME_CHECK (1; 0: no uninterrupted run)
   demo       examples/train_gpt_mhc.py, its GPU preset   DEMO_ARGS
   study      examples/mhc_study.py, the quality study (resumes from $OUT/study)
                                                    SEEDS (3), BUDGET (s, 0: none), STUDY_ARGS
@@ -263,7 +266,7 @@ pretrain_flags() {
     --swiglu --disable-bias-linear --micro-batch-size 8 --global-batch-size 16
     --train-iters $STEPS --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30
     --clip-grad 1.0 --weight-decay 0.1 --bf16 --data-path $DATA --split 98,1,1
-    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval 10 --eval-interval 50
+    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval ${LOG_INTERVAL:-10} --eval-interval 50
     --eval-iters 10 --log-throughput --seed 1234 --no-gradient-accumulation-fusion"
   have_te || flags="$flags --transformer-impl local --no-persist-layer-norm --no-rope-fusion
     --no-masked-softmax-fusion"
@@ -300,6 +303,11 @@ phase_pretrain() {
     # shellcheck disable=SC2086
     run $par --enable-hyper-connections --num-residual-streams 4 --load "$ck" --save "$ck" \
       --save-interval $((STEPS / 2)) > "$dir/${layout}_mhc_part2.log" 2>&1 || rc=1
+    if [ "${RESUME_CHECK:-1}" = 1 ]; then  # the same mHC run uninterrupted, for the resume check
+      # shellcheck disable=SC2086
+      run $par --enable-hyper-connections --num-residual-streams 4 \
+        > "$dir/${layout}_mhc_full.log" 2>&1 || rc=1
+    fi
     for f in "$dir/${layout}"_*.log; do
       echo "== $f"
       grep -E "loaded checkpoint|saved checkpoint|validation loss at iteration|max allocated" \

@@ -77,6 +77,32 @@ def test_pretrain_report_reproduces_the_committed_table(tmp_path):
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
 
 
+def test_pretrain_report_resume_check(tmp_path):
+    """With an uninterrupted mHC run beside the interrupted one (``<layout>_mhc_full.log``),
+    the report compares the losses logged after the resume: zero where the runs agree, the
+    largest difference where one logged loss differs; and a loss-curve PNG per layout."""
+    import shutil
+
+    logs = tmp_path / "logs"
+    shutil.copytree(ROOT / "docs" / "results" / "pretrain_2gpu", logs)
+    part1, part2 = ((logs / f"tp2sp_mhc_part{i}.log").read_text() for i in (1, 2))
+    full = part1 + part2.replace("lm loss: 1.445584E+00", "lm loss: 1.455584E+00")
+    (logs / "tp2sp_mhc_full.log").write_text(full)
+    (logs / "dp2_mhc_full.log").write_text((logs / "dp2_mhc_part1.log").read_text()
+                                           + (logs / "dp2_mhc_part2.log").read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+    run_script("benchmarks/pretrain_report.py", str(logs), "--out", str(out))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in (out / "summary.md").read_text().splitlines()
+            if line.count("|") == 5 and "iterations compared" not in line and "---" not in line}
+    assert rows["tp2sp"][1:] == ["1.00e-02", "0.00e+00"], rows
+    assert rows["dp2"][1:] == ["0.00e+00", "0.00e+00"], rows
+    assert rows["tp2sp"][0].startswith("151-300"), rows
+    for layout in ("tp2sp", "dp2"):
+        assert (out / f"loss_curves_{layout}.png").stat().st_size > 0
+
+
 def test_compare_runs_table_and_plot(tmp_path):
     """``compare_runs.py`` on two demo-style result folders: each run against the first
     label's run of the same model, and the plot."""
