@@ -1,6 +1,7 @@
 """A dist checkpoint saved at TP=2 loads at TP=1 (DP=2) with identical weights and logits,
 and one saved at TP=1 (DP=2) loads at TP=2: Megatron's ``dist_checkpointing`` reshards the
-mHC model (mapping parameters included), dense and MoE.
+mHC model (mapping parameters included), dense and MoE. Likewise for expert parallelism: an
+MoE model saved at EP=2 loads at EP=1 and back (every expert where it belongs).
 
 Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/ckpt_reshard.py DIR
 
@@ -78,11 +79,63 @@ def check(kind: str, root: str) -> None:
         saved = {"tp": tp, "params": harness.full_params(model), "logits": _logits(model, data)}
 
 
+def _full_params_across_ep(model, ep: int) -> dict:
+    """Every parameter under its EP=1 name: at EP=2 each rank's local experts renamed to the
+    global ones (``ep_equivalence._global_name``) and gathered from both ranks (the dense
+    parameters are the same on both: rank 0's)."""
+    from megatron.core import parallel_state
+
+    from ep_equivalence import EXPERTS, _global_name
+
+    if ep == 1:
+        return harness.full_params(model)
+    rank = parallel_state.get_expert_model_parallel_rank()
+    mine = harness.full_params(model, lambda n: _global_name(n, rank, EXPERTS // ep))
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, {n: t.cpu() for n, t in mine.items()})
+    merged = {}
+    for part in reversed(held):  # rank 0's dense parameters last, so they are kept
+        merged.update(part)
+    return {n: t.to(harness.DEVICE) for n, t in merged.items()}
+
+
+def check_expert_parallel(root: str) -> None:
+    """MoE saved at EP=2 -> loaded at EP=1 -> saved -> loaded at EP=2: bitwise weights (under
+    their EP=1 names), the saving model's logits."""
+    from ep_equivalence import EXPERTS
+
+    data = batch(batch_size=2, seed=5, device=harness.DEVICE)  # the same batch on both ranks
+    saved = None
+    for step, (ep, seed) in enumerate(((2, 1), (1, 2), (2, 3))):
+        harness.init_parallel(ep=ep, seed=seed)
+        model = harness.model(harness.config(**{**moe_overrides(), "num_moe_experts": EXPERTS,
+                                                "expert_model_parallel_size": ep}))
+        fresh = _logits(model, data)
+        if saved is not None:
+            _load(model, os.path.join(root, f"ep_{step - 1}"))
+            params, logits = _full_params_across_ep(model, ep), _logits(model, data)
+            assert params.keys() == saved["params"].keys(), \
+                sorted(set(params) ^ set(saved["params"]))
+            for n, t in params.items():
+                assert torch.equal(t, saved["params"][n]), f"[ep] {n} differs after load at EP={ep}"
+            assert not torch.allclose(fresh, saved["logits"]), "the fresh model already matched"
+            torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
+            err = harness.relative_error(logits, saved["logits"])
+            n_expert = sum(".experts." in n for n in params)
+            print(f"PASS rank={torch.distributed.get_rank()} kind=moe EP={saved['ep']}->EP={ep} "
+                  f"{harness.describe()} params_bitwise={len(params)} expert_params={n_expert} "
+                  f"logits_rel_err={err:.2e}", flush=True)
+        _save(model, os.path.join(root, f"ep_{step}"))
+        saved = {"ep": ep, "params": _full_params_across_ep(model, ep),
+                 "logits": _logits(model, data)}
+
+
 def main():
     harness.init()
     root = sys.argv[1]
     for kind in ("dense", "moe"):
         check(kind, root)
+    check_expert_parallel(root)
 
 
 if __name__ == "__main__":
