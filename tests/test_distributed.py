@@ -76,11 +76,13 @@ def test_expert_parallel_matches_single_rank(setup):
 @pytest.mark.parametrize("setup", SETUPS)
 def test_dist_checkpoint_reshards_between_tp2_and_tp1(setup, tmp_path):
     """Saved at TP=2, loaded at TP=1 (DP=2), and back; MoE saved at EP=2, loaded at EP=1, and
-    back: bitwise weights, the same logits."""
+    back (with TE also with the experts as one grouped weight, ``moe_single_grouped_weight``):
+    bitwise weights, the same logits."""
     out = _torchrun("ckpt_reshard.py", setup, str(tmp_path))
     _expect(out, [f"kind={kind} TP={a}->TP={b} " for kind in ("dense", "moe")
                   for a, b in ((2, 1), (1, 2))]
-            + [f"kind=moe EP={a}->EP={b} " for a, b in ((2, 1), (1, 2))])
+            + [f"kind={kind} EP={a}->EP={b} " for a, b in ((2, 1), (1, 2))
+               for kind in (("moe", "moe_single_grouped") if setup == "cuda-te" else ("moe",))])
 
 
 @pytest.mark.distributed

@@ -79,18 +79,34 @@ def check(kind: str, root: str) -> None:
         saved = {"tp": tp, "params": harness.full_params(model), "logits": _logits(model, data)}
 
 
+def _per_expert(params: dict, local: int) -> dict:
+    """TE's single grouped expert weight (``...experts.linear_fcK.weight``, the local experts
+    stacked on axis 0, ``moe_single_grouped_weight``) as one tensor per expert,
+    ``...weight{i}``, the names of TE's per-GEMM layout; other parameters as they are."""
+    out = {}
+    for n, t in params.items():
+        if ".experts.linear_fc" in n and n.endswith(".weight") and t.shape[0] == local:
+            out.update({f"{n}{i}": t[i] for i in range(local)})
+        else:
+            out[n] = t
+    return out
+
+
 def _full_params_across_ep(model, ep: int) -> dict:
     """Every parameter under its EP=1 name: at EP=2 each rank's local experts renamed to the
     global ones (``ep_equivalence._global_name``) and gathered from both ranks (the dense
-    parameters are the same on both: rank 0's)."""
+    parameters are the same on both: rank 0's); a single grouped expert weight as one tensor
+    per expert (:func:`_per_expert`)."""
     from megatron.core import parallel_state
 
     from ep_equivalence import EXPERTS, _global_name
 
+    local = EXPERTS // ep
     if ep == 1:
-        return harness.full_params(model)
+        return _per_expert(harness.full_params(model), local)
     rank = parallel_state.get_expert_model_parallel_rank()
-    mine = harness.full_params(model, lambda n: _global_name(n, rank, EXPERTS // ep))
+    mine = {_global_name(n, rank, local): t
+            for n, t in _per_expert(harness.full_params(model), local).items()}
     held = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(held, {n: t.cpu() for n, t in mine.items()})
     merged = {}
@@ -99,20 +115,24 @@ def _full_params_across_ep(model, ep: int) -> dict:
     return {n: t.to(harness.DEVICE) for n, t in merged.items()}
 
 
-def check_expert_parallel(root: str) -> None:
+def check_expert_parallel(root: str, single_grouped: bool = False) -> None:
     """MoE saved at EP=2 -> loaded at EP=1 -> saved -> loaded at EP=2: bitwise weights (under
-    their EP=1 names), the saving model's logits."""
+    their EP=1 names), the saving model's logits. ``single_grouped`` (TE specs): the experts'
+    weights as TE's single grouped parameter (``moe_single_grouped_weight``)."""
     from ep_equivalence import EXPERTS
 
     data = batch(batch_size=2, seed=5, device=harness.DEVICE)  # the same batch on both ranks
+    grouped = (dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
+                    use_transformer_engine_op_fuser=True) if single_grouped else {})
+    kind = "moe_single_grouped" if single_grouped else "moe"
     saved = None
     for step, (ep, seed) in enumerate(((2, 1), (1, 2), (2, 3))):
         harness.init_parallel(ep=ep, seed=seed)
         model = harness.model(harness.config(**{**moe_overrides(), "num_moe_experts": EXPERTS,
-                                                "expert_model_parallel_size": ep}))
+                                                "expert_model_parallel_size": ep, **grouped}))
         fresh = _logits(model, data)
         if saved is not None:
-            _load(model, os.path.join(root, f"ep_{step - 1}"))
+            _load(model, os.path.join(root, f"{kind}_ep_{step - 1}"))
             params, logits = _full_params_across_ep(model, ep), _logits(model, data)
             assert params.keys() == saved["params"].keys(), \
                 sorted(set(params) ^ set(saved["params"]))
@@ -122,10 +142,10 @@ def check_expert_parallel(root: str) -> None:
             torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
             err = harness.relative_error(logits, saved["logits"])
             n_expert = sum(".experts." in n for n in params)
-            print(f"PASS rank={torch.distributed.get_rank()} kind=moe EP={saved['ep']}->EP={ep} "
+            print(f"PASS rank={torch.distributed.get_rank()} kind={kind} EP={saved['ep']}->EP={ep} "
                   f"{harness.describe()} params_bitwise={len(params)} expert_params={n_expert} "
                   f"logits_rel_err={err:.2e}", flush=True)
-        _save(model, os.path.join(root, f"ep_{step}"))
+        _save(model, os.path.join(root, f"{kind}_ep_{step}"))
         saved = {"ep": ep, "params": _full_params_across_ep(model, ep),
                  "logits": _logits(model, data)}
 
@@ -136,6 +156,8 @@ def main():
     for kind in ("dense", "moe"):
         check(kind, root)
     check_expert_parallel(root)
+    if harness.USE_TE:
+        check_expert_parallel(root, single_grouped=True)
 
 
 if __name__ == "__main__":
