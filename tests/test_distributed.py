@@ -66,10 +66,13 @@ def test_tensor_parallel_matches_single_rank(setup):
 @pytest.mark.distributed
 @pytest.mark.parametrize("setup", SETUPS)
 def test_expert_parallel_matches_single_rank(setup):
-    """MoE with EP=2 == EP=1: per-rank loss, expert and dense gradients, mHC's included."""
+    """MoE with EP=2 == EP=1: per-rank loss, expert and dense gradients, mHC's included; with
+    TE also with the experts as one grouped weight (``moe_single_grouped_weight``)."""
     out = _torchrun("ep_equivalence.py", setup)
     dispatchers = ["allgather"] + (["alltoall"] if setup != "cpu" else [])
-    _expect(out, [f"ep=2 dispatcher={d} recompute={rc} " for d in dispatchers for rc in (False, True)])
+    _expect(out, [f"ep=2 dispatcher={d} recompute={rc} " for d in dispatchers for rc in (False, True)]
+            + (["ep=2 dispatcher=alltoall recompute=False single_grouped=True "]
+               if setup == "cuda-te" else []))
 
 
 @pytest.mark.distributed

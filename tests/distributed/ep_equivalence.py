@@ -25,9 +25,14 @@ EXPERTS = 4
 LOCAL_EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)|(weight|bias)(\d+)$")
 
 
-def _config(ep: int, recompute: bool, dispatcher: str = "allgather"):
+SINGLE_GROUPED = dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
+                      use_transformer_engine_op_fuser=True)  # TE specs only
+
+
+def _config(ep: int, recompute: bool, dispatcher: str = "allgather",
+            single_grouped: bool = False):
     extra = dict(moe_overrides(), num_moe_experts=EXPERTS, moe_token_dispatcher_type=dispatcher,
-                 expert_model_parallel_size=ep)
+                 expert_model_parallel_size=ep, **(SINGLE_GROUPED if single_grouped else {}))
     if recompute:
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
     return harness.config(**extra)
@@ -43,28 +48,45 @@ def _global_name(name: str, rank: int, local_experts: int) -> str:
     return LOCAL_EXPERT.sub(shift, name) if ".experts." in name else name
 
 
-def check(dispatcher: str, recompute: bool) -> None:
+def _is_single_grouped(name: str) -> bool:
+    """TE's single grouped expert weight: ``...experts.linear_fcK.weight``, the local experts
+    stacked on axis 0 (the per-GEMM layout names them ``weight{i}``)."""
+    return ".experts.linear_fc" in name and name.endswith(".weight")
+
+
+def _reference_part(name: str, rank: int, local: int):
+    """How this EP rank's parameter ``name`` reads from the EP=1 model's tensors: the EP=1
+    name (``_global_name``), or for a single grouped weight the rank's rows of the EP=1
+    grouped tensor (a function of the EP=1 name -> tensor dict)."""
+    if _is_single_grouped(name):
+        return lambda ref: ref[name][rank * local:(rank + 1) * local]
+    return _global_name(name, rank, local)
+
+
+def check(dispatcher: str, recompute: bool, single_grouped: bool = False) -> None:
     from megatron.core import parallel_state
 
     rank = torch.distributed.get_rank()
     data = batch(batch_size=2, seed=100 + rank, device=harness.DEVICE)  # one batch a rank
 
     harness.init_parallel(ep=1)
-    ref = harness.model(_config(1, False))
+    ref = harness.model(_config(1, False, single_grouped=single_grouped))
     ref_loss, ref_params, ref_grads = harness.data_parallel_reference(ref, data)
 
     harness.init_parallel(ep=2)
     assert parallel_state.get_expert_model_parallel_world_size() == 2
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    cfg = _config(2, recompute, dispatcher)
+    cfg = _config(2, recompute, dispatcher, single_grouped)
     model = harness.model(cfg)
     local = EXPERTS // 2
-    names = {n: _global_name(n, ep_rank, local) for n, _ in model.named_parameters()}
+    names = {n: _reference_part(n, ep_rank, local) for n, _ in model.named_parameters()}
     n_expert = sum(".experts." in n for n in names)
-    assert n_expert and set(names.values()) <= set(ref_params), sorted(set(names.values()) - set(ref_params))
+    by_name = {v for v in names.values() if isinstance(v, str)}
+    assert n_expert and by_name <= set(ref_params), sorted(by_name - set(ref_params))
+    assert not single_grouped or any(map(_is_single_grouped, names)), "no single grouped weight"
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(ref_params[names[n]])
+            p.copy_(harness.reference_tensor(names[n], ref_params))
     loss = lm_loss(model, data)
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
@@ -72,7 +94,9 @@ def check(dispatcher: str, recompute: bool) -> None:
     worst = harness.ep_grad_errors(model, names, ref_grads, f"ep=2 {dispatcher} rc={recompute}")
     checked_mhc = sum("hyper_connection" in n for n, _ in model.named_parameters())
     assert checked_mhc == 2 * 3 * cfg.num_layers
-    print(f"PASS rank={rank} ep=2 dispatcher={dispatcher} recompute={recompute} {harness.describe()} "
+    grouped = " single_grouped=True" if single_grouped else ""
+    print(f"PASS rank={rank} ep=2 dispatcher={dispatcher} recompute={recompute}{grouped} "
+          f"{harness.describe()} "
           f"loss={loss.item():.6f} ref={ref_loss.item():.6f} worst_grad_rel_err={worst:.2e} "
           f"expert_params={n_expert} mhc_params={checked_mhc}", flush=True)
 
@@ -83,6 +107,8 @@ def main():
     for dispatcher in dispatchers:
         for recompute in (False, True):
             check(dispatcher, recompute)
+    if harness.USE_TE:  # Megatron-Core 0.19.2's single grouped expert weight (TE only)
+        check("alltoall", False, single_grouped=True)
 
 
 if __name__ == "__main__":

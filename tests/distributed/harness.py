@@ -129,10 +129,17 @@ def full_params(model, name=lambda n: n) -> dict:
     return out
 
 
+def reference_tensor(part, tensors: dict):
+    """The EP=1 reference's tensor for an EP=2 parameter: ``part`` its EP=1 name, or a
+    function of the EP=1 tensors (a slice of a grouped tensor)."""
+    return part(tensors) if callable(part) else tensors[part]
+
+
 def ep_grad_errors(model, names: dict, ref_grads: dict, label: str) -> float:
     """Compare every gradient of an EP=2 ``model`` with the EP=1 reference's (``names``: this
-    model's parameter name -> the reference's): dense parameters summed over the two (data
-    parallel) ranks first, expert parameters as they are. Returns the worst relative error."""
+    model's parameter name -> the reference's, see :func:`reference_tensor`): dense parameters
+    summed over the two (data parallel) ranks first, expert parameters as they are. Returns
+    the worst relative error."""
     worst = 0.0
     for n, p in model.named_parameters():
         g = p.grad.detach().clone()
@@ -140,7 +147,7 @@ def ep_grad_errors(model, names: dict, ref_grads: dict, label: str) -> float:
             torch.distributed.all_reduce(g)
         else:
             assert ".experts." in n, n
-        expect = ref_grads[names[n]]
+        expect = reference_tensor(names[n], ref_grads)
         torch.testing.assert_close(g, expect, rtol=2e-4, atol=2e-6,
                                    msg=lambda m, n=n: f"[{label}] grad of {n}: {m}")
         worst = max(worst, relative_error(g, expect))
