@@ -55,28 +55,44 @@ def _load(model, path):
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
 
 
-def check(kind: str, root: str) -> None:
-    data = batch(batch_size=2, seed=5, device=harness.DEVICE)
+def _reshard_chain(kind: str, axis: str, root: str, build, full_params) -> None:
+    """Save at size 2, load at 1, save, load at 2 along ``axis`` ("TP" or "EP"): each step
+    builds a model with a fresh seed (``build(size, seed)``), loads the previous step's
+    checkpoint, and checks every parameter bit for bit (``full_params(model, size)``: whole
+    tensors under comparable names) and the saving model's logits; prints a PASS line."""
+    data = batch(batch_size=2, seed=5, device=harness.DEVICE)  # the same batch on every rank
     saved = None
-    for step, (tp, seed) in enumerate(((2, 1), (1, 2), (2, 3))):
-        harness.init_parallel(tp=tp, seed=seed)
-        model = harness.model(_config(kind, tp))
+    for step, (size, seed) in enumerate(((2, 1), (1, 2), (2, 3))):
+        model = build(size, seed)
         fresh = _logits(model, data)
         if saved is not None:
-            _load(model, os.path.join(root, f"{kind}_{step - 1}"))
-            params, logits = harness.full_params(model), _logits(model, data)
-            assert params.keys() == saved["params"].keys()
+            _load(model, os.path.join(root, f"{kind}_{axis}_{step - 1}"))
+            params, logits = full_params(model, size), _logits(model, data)
+            assert params.keys() == saved["params"].keys(), \
+                sorted(set(params) ^ set(saved["params"]))
             for n, t in params.items():
-                assert torch.equal(t, saved["params"][n]), f"[{kind}] {n} differs after load at TP={tp}"
+                assert torch.equal(t, saved["params"][n]), \
+                    f"[{kind}] {n} differs after load at {axis}={size}"
             assert not torch.allclose(fresh, saved["logits"]), "the fresh model already matched"
             torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
             err = harness.relative_error(logits, saved["logits"])
             n_mhc = sum("hyper_connection" in n for n in params)
+            n_expert = sum(".experts." in n for n in params)
             print(f"PASS rank={torch.distributed.get_rank()} kind={kind} "
-                  f"TP={saved['tp']}->TP={tp} {harness.describe()} params_bitwise={len(params)} "
-                  f"mhc_params={n_mhc} logits_rel_err={err:.2e}", flush=True)
-        _save(model, os.path.join(root, f"{kind}_{step}"))
-        saved = {"tp": tp, "params": harness.full_params(model), "logits": _logits(model, data)}
+                  f"{axis}={saved['size']}->{axis}={size} {harness.describe()} "
+                  f"params_bitwise={len(params)} mhc_params={n_mhc} expert_params={n_expert} "
+                  f"logits_rel_err={err:.2e}", flush=True)
+        _save(model, os.path.join(root, f"{kind}_{axis}_{step}"))
+        saved = {"size": size, "params": full_params(model, size),
+                 "logits": _logits(model, data)}
+
+
+def check(kind: str, root: str) -> None:
+    def build(tp, seed):
+        harness.init_parallel(tp=tp, seed=seed)
+        return harness.model(_config(kind, tp))
+
+    _reshard_chain(kind, "TP", root, build, lambda model, tp: harness.full_params(model))
 
 
 def _per_expert(params: dict, local: int) -> dict:
@@ -121,33 +137,16 @@ def check_expert_parallel(root: str, single_grouped: bool = False) -> None:
     weights as TE's single grouped parameter (``moe_single_grouped_weight``)."""
     from ep_equivalence import EXPERTS
 
-    data = batch(batch_size=2, seed=5, device=harness.DEVICE)  # the same batch on both ranks
     grouped = (dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
                     use_transformer_engine_op_fuser=True) if single_grouped else {})
-    kind = "moe_single_grouped" if single_grouped else "moe"
-    saved = None
-    for step, (ep, seed) in enumerate(((2, 1), (1, 2), (2, 3))):
+
+    def build(ep, seed):
         harness.init_parallel(ep=ep, seed=seed)
-        model = harness.model(harness.config(**{**moe_overrides(), "num_moe_experts": EXPERTS,
+        return harness.model(harness.config(**{**moe_overrides(), "num_moe_experts": EXPERTS,
                                                 "expert_model_parallel_size": ep, **grouped}))
-        fresh = _logits(model, data)
-        if saved is not None:
-            _load(model, os.path.join(root, f"{kind}_ep_{step - 1}"))
-            params, logits = _full_params_across_ep(model, ep), _logits(model, data)
-            assert params.keys() == saved["params"].keys(), \
-                sorted(set(params) ^ set(saved["params"]))
-            for n, t in params.items():
-                assert torch.equal(t, saved["params"][n]), f"[ep] {n} differs after load at EP={ep}"
-            assert not torch.allclose(fresh, saved["logits"]), "the fresh model already matched"
-            torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
-            err = harness.relative_error(logits, saved["logits"])
-            n_expert = sum(".experts." in n for n in params)
-            print(f"PASS rank={torch.distributed.get_rank()} kind={kind} EP={saved['ep']}->EP={ep} "
-                  f"{harness.describe()} params_bitwise={len(params)} expert_params={n_expert} "
-                  f"logits_rel_err={err:.2e}", flush=True)
-        _save(model, os.path.join(root, f"{kind}_ep_{step}"))
-        saved = {"ep": ep, "params": _full_params_across_ep(model, ep),
-                 "logits": _logits(model, data)}
+
+    kind = "moe_single_grouped" if single_grouped else "moe"
+    _reshard_chain(kind, "EP", root, build, _full_params_across_ep)
 
 
 def main():
