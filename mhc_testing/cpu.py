@@ -16,6 +16,8 @@ What Megatron-Core needs on CPU, and what each shim does:
   ``_set_cuda_rng_state`` (used by activation recompute) save/restore the CPU RNG.
 * gloo has no ``reduce_scatter_tensor``; Megatron's sequence-parallel region uses
   it. We route it through ``all_reduce`` + slice when the group's backend is gloo.
+* The softmax's default causal mask (what attention uses when no mask is given, as in
+  Megatron's inference) is built on ``"cuda"``; on CPU it is built on CPU.
 
 Call :func:`setup_cpu_megatron` once per process, after ``init_process_group`` and
 before building models.
@@ -23,6 +25,7 @@ before building models.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -91,6 +94,11 @@ def setup_cpu_megatron(seed: int = 1234) -> None:
         return original_rs(output, input, op=op, group=group, async_op=async_op)
 
     dist.reduce_scatter_tensor = reduce_scatter_tensor
+
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = functools.lru_cache(
+        lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool())
     _INSTALLED = True
 
 
