@@ -95,6 +95,27 @@ def lm_loss(model, data) -> torch.Tensor:
     return model(ids, pos, mask, labels=labels).float().mean()
 
 
+def assert_every_parameter_gets_gradient(model) -> None:
+    """After a backward: every parameter of ``model`` has a finite, non-zero gradient."""
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
+
+
+def assert_loads_to(fresh, path, data, expected, strict="assume_ok_unexpected") -> None:
+    """``fresh`` (a model built with other weights: its logits on ``data`` are not
+    ``expected``) loads the distributed checkpoint at ``path`` (Megatron's
+    ``dist_checkpointing``, ``strict``) and then gives ``expected`` bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    with torch.no_grad():
+        assert not torch.allclose(fresh(*data[:3]), expected), "the fresh model already matched"
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(path),
+                                                  strict=strict))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(*data[:3]), expected, rtol=0, atol=0)
+
+
 def replace(config, **kw):
     return dataclasses.replace(config, **kw)
 

@@ -11,7 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import batch, build_gpt, lm_loss, tiny_config
+from helpers import (
+    assert_every_parameter_gets_gradient,
+    assert_loads_to,
+    batch,
+    build_gpt,
+    lm_loss,
+    tiny_config,
+)
 from hybrid_models import build_hybrid_model
 from mhc_megatron.kernels.reference import MappingForm
 
@@ -40,9 +47,7 @@ def test_deepseek_v4_form_reaches_every_mapping_and_trains(seeded, device, model
         loss = lm_loss(model, data)
         loss.backward()
         if step == 0:
-            for name, p in model.named_parameters():
-                assert p.grad is not None and torch.isfinite(p.grad).all(), name
-                assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
+            assert_every_parameter_gets_gradient(model)
         losses.append(loss.item())
         opt.step()
     assert losses[-1] < 0.8 * losses[0], losses
@@ -168,12 +173,7 @@ def test_deepseek_v4_preset_dist_checkpoint_round_trip(seeded, device, tmp_path)
     assert any(".head." in k for k in sharded)
     dist_checkpointing.save(sharded, str(tmp_path))
     torch.manual_seed(99)
-    fresh = build_gpt(cfg, device).eval()
-    with torch.no_grad():
-        assert not torch.allclose(fresh(*data[:3]), expected)
-    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path)))
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(*data[:3]), expected, rtol=0, atol=0)
+    assert_loads_to(build_gpt(cfg, device).eval(), tmp_path, data, expected)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -195,12 +195,16 @@ def test_deepseek_v4_preset_triton_backend_matches_reference(seeded, monkeypatch
     from mhc_testing.cpu import setup_cpu_megatron
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    chosen = []
-    select = dispatch.select_ops
-    monkeypatch.setattr(dispatch, "select_ops",
-                        lambda *a, **k: chosen.append(select(*a, **k).name) or select(*a, **k))
     import mhc_megatron.layers.hyper_connection as hc_module
-    monkeypatch.setattr(hc_module, "select_ops", dispatch.select_ops)
+
+    chosen = []
+
+    def recording_select(*args, **kwargs):  # the layers' choice of backend, recorded
+        ops = dispatch.select_ops(*args, **kwargs)
+        chosen.append(ops.name)
+        return ops
+
+    monkeypatch.setattr(hc_module, "select_ops", recording_select)
     runs = []
     for backend, dtype in (("triton", torch.float32), ("reference", torch.float32),
                            ("reference", torch.float64)):

@@ -9,6 +9,7 @@ from helpers import (
     SEQ,
     SPEC_FAMILIES,
     VOCAB,
+    assert_loads_to,
     batch,
     build_gpt,
     lm_loss,
@@ -138,13 +139,7 @@ def test_dist_checkpoint_round_trip(seeded, device, tmp_path, spec_family):
 
     torch.manual_seed(999)
     _, fresh = _build("moe", device, spec_family)
-    fresh.eval()
-    with torch.no_grad():
-        assert not torch.allclose(fresh(*data[:3]), expected)
-    state = dist_checkpointing.load(fresh.sharded_state_dict(), str(tmp_path))
-    fresh.load_state_dict(state)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(*data[:3]), expected, rtol=0, atol=0)
+    assert_loads_to(fresh.eval(), tmp_path, data, expected)
 
 
 def test_plain_state_dict_round_trip(seeded, device):

@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SEQ, VOCAB, batch, lm_loss, moe_overrides, tiny_config
+from helpers import (
+    SEQ,
+    VOCAB,
+    assert_every_parameter_gets_gradient,
+    batch,
+    lm_loss,
+    moe_overrides,
+    tiny_config,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -87,9 +95,7 @@ def test_mtp_model_trains_and_every_parameter_learns(megatron_single_rank, devic
         loss = lm_loss(model, data)
         loss.backward()
         if step == 0:
-            for name, p in model.named_parameters():
-                assert p.grad is not None and torch.isfinite(p.grad).all(), name
-                assert p.grad.abs().sum() > 0, f"{name} gets no gradient"
+            assert_every_parameter_gets_gradient(model)
         losses.append((loss.item(), MTPLossLoggingHelper.tracker["loss_values"][0].item()))
         opt.step()
     assert losses[-1][0] < 0.8 * losses[0][0], losses  # the main loss falls
