@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -66,27 +67,37 @@ def _safetensors():
     return safetensors.torch
 
 
+class Conversion(NamedTuple):
+    """What :func:`convert_path` did: mHC tensors renamed, other tensors, mHC tensors dropped,
+    and whether it wrote a distributed checkpoint from a file (tensors only, no sharded
+    objects: it loads non-strictly)."""
+
+    renamed: int
+    others: int
+    dropped: int
+    dist_from_file: bool
+
+
 def convert_path(source_path: str, target_path: str, source: str, target: str,
-                 drop_unnamed: bool = False) -> tuple[int, int, int]:
+                 drop_unnamed: bool = False) -> Conversion:
     """Convert the checkpoint at ``source_path`` (a file or a distributed checkpoint) from
     ``source`` to ``target`` names into ``target_path`` (a file, by its suffix, or a
-    distributed checkpoint directory). Returns (mHC tensors renamed, others, dropped)."""
+    distributed checkpoint directory)."""
     to_dist = not target_path.endswith(FILE_SUFFIXES)
     if to_dist and target in PER_LAYER_SCHEMES:
         raise ValueError(f"{target!r} names are for files: give {target_path!r} a .safetensors "
                          "or .pt suffix (a distributed checkpoint holds megatron_core or "
                          "megatron_lm names).")
-    ckpt = None
-    if is_dist_checkpoint(source_path):
-        ckpt = read_dist_checkpoint(source_path)
-        state = ckpt.tensors
-        if not to_dist or target in PER_LAYER_SCHEMES:
-            state = unstack_layers(state)
-    else:
+    from_file = not is_dist_checkpoint(source_path)
+    if from_file:
         state = load(source_path)
+    else:
+        ckpt = read_dist_checkpoint(source_path)
+        # per-layer names (a file's) need the stacked layers split; a dist output keeps them
+        state = ckpt.tensors if to_dist else unstack_layers(ckpt.tensors)
     converted = convert_state_dict(state, source, target, drop_unnamed)
     if to_dist:
-        if ckpt is None:  # a file: layers stacked as Megatron's GPT saves them
+        if from_file:  # layers stacked as Megatron's GPT saves them
             ckpt = DistCheckpoint(tensors=stack_layers(converted))
         else:
             ckpt.tensors = converted
@@ -95,7 +106,8 @@ def convert_path(source_path: str, target_path: str, source: str, target: str,
         save(converted, target_path)
     params = [p for p in map(lambda k: parse_name(k, source), state) if p is not None]
     dropped = sum(not has_name(p, target) for p in params) if drop_unnamed else 0
-    return len(params), len(state) - len(params), dropped
+    return Conversion(len(params), len(state) - len(params), dropped,
+                      dist_from_file=to_dist and from_file)
 
 
 def main(argv=None) -> int:
@@ -111,13 +123,13 @@ def main(argv=None) -> int:
                         "distributed checkpoint")
     args = parser.parse_args(argv)
     try:
-        renamed, others, dropped = convert_path(args.input, args.output, args.source,
-                                                args.target, args.drop_unnamed)
+        done = convert_path(args.input, args.output, args.source, args.target,
+                            args.drop_unnamed)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         parser.exit(2, f"python -m mhc_megatron.convert: error: {error}\n")
-    print(f"{args.input} ({args.source}) -> {args.output} ({args.target}): {renamed} mHC "
-          f"parameters renamed, {others} others unchanged, {dropped} dropped")
-    if not args.output.endswith(FILE_SUFFIXES) and not is_dist_checkpoint(args.input):
+    print(f"{args.input} ({args.source}) -> {args.output} ({args.target}): {done.renamed} mHC "
+          f"parameters renamed, {done.others} others unchanged, {done.dropped} dropped")
+    if done.dist_from_file:
         print("The distributed checkpoint was written from a file: it has the tensors but no "
               "sharded objects (e.g. Transformer Engine's _extra_state). Load it non-strictly: "
               "--dist-ckpt-strictness log_unexpected (megatron.training), or "
