@@ -16,6 +16,8 @@ per cent, so a fixed bf16 tolerance is either loose or flaky. The bound is calib
 tensor instead: an fp32 CP=1 run of the same weights is the truth, the bf16 CP=1 run's error
 against it is the rounding noise, and CP=2's error may be at most NOISE_FACTOR times that
 (plus a small floor). A wrong chunk layout or a missing reduction gives errors of order 1.
+The same check without mHC runs first; its numbers (the layout's own) are printed beside
+mHC's on the PASS line.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ NOISE_FACTOR = 3.0
 FLOOR = 5e-3
 
 
-def _config(kind: str, cp: int, recompute: bool, bf16: bool = True):
+def _config(kind: str, cp: int, recompute: bool, bf16: bool = True, mhc: bool = True):
     extra = moe_overrides() if kind == "moe" else {}
+    if not mhc:
+        extra.update(enable_hyper_connections=False)
     if recompute:
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -62,7 +66,11 @@ def _whole_sequence(model, weights, data):
                                         for n, p in model.named_parameters()}
 
 
-def check(kind: str, recompute: bool) -> None:
+def check(kind: str, recompute: bool, mhc: bool = True, baseline: dict | None = None) -> dict:
+    """One CP=2 vs CP=1 comparison; returns its errors against the fp32 CP=1 run
+    (``loss_rel_err``, and ``worst_grad_vs_noise``: the largest gradient error over
+    ``bf16 noise + FLOOR``). With mHC it prints a PASS line, ``baseline`` (the same check
+    without mHC) beside its errors."""
     from megatron.core import parallel_state
 
     data = batch(batch_size=2, seed=21, device=harness.DEVICE)
@@ -70,15 +78,15 @@ def check(kind: str, recompute: bool) -> None:
     rank = torch.distributed.get_rank()
 
     harness.init_parallel(cp=1)
-    ref16 = harness.model(_config(kind, 1, False))
+    ref16 = harness.model(_config(kind, 1, False, mhc=mhc))
     weights = {n: p.detach().clone() for n, p in ref16.named_parameters()}
     losses16, grads16 = _whole_sequence(ref16, weights, data)
-    ref32 = harness.model(_config(kind, 1, False, bf16=False))
+    ref32 = harness.model(_config(kind, 1, False, bf16=False, mhc=mhc))
     losses32, grads32 = _whole_sequence(ref32, weights, data)  # the bf16 weights, exactly
 
     harness.init_parallel(cp=CP)
     assert parallel_state.get_context_parallel_rank() == rank
-    model = harness.model(_config(kind, CP, recompute))
+    model = harness.model(_config(kind, CP, recompute, mhc=mhc))
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(weights[n])
@@ -103,18 +111,25 @@ def check(kind: str, recompute: bool) -> None:
         if ratio > worst:
             worst, worst_name = ratio, f"{n}: {err:.2e} vs bf16 noise {noise:.2e}"
         checked_mhc += "hyper_connection" in n
+    errors = {"loss_rel_err": loss_err / abs(truth), "worst_grad_vs_noise": worst}
+    if not mhc:
+        assert checked_mhc == 0
+        return errors
     assert checked_mhc == 6 * model.config.num_layers
     print(f"PASS rank={rank} cp=2 kind={kind} recompute={recompute} {harness.describe()} bf16 "
           f"loss={loss.item():.6f} fp32_ref={truth:.6f} bf16_ref={losses16[rank]:.6f} "
-          f"worst_grad=({worst_name}) mhc_params={checked_mhc}", flush=True)
+          f"{harness.format_errors(errors, baseline)} worst_grad=({worst_name}) "
+          f"mhc_params={checked_mhc}", flush=True)
+    return errors
 
 
 def main():
     if not harness.USE_TE:
         raise SystemExit("cp_equivalence.py needs GPUs with Transformer Engine")
     harness.init()
+    baselines = {kind: check(kind, False, mhc=False) for kind in ("dense", "moe")}
     for kind, recompute in (("dense", False), ("dense", True), ("moe", False)):
-        check(kind, recompute)
+        check(kind, recompute, baseline=baselines[kind])
 
 
 if __name__ == "__main__":

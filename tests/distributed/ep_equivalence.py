@@ -10,6 +10,8 @@ the rank of its experts (allgather; also alltoall on GPUs: it needs CUDA streams
 (non-expert) grads are summed over the two ranks as DP would, and each local expert's grad,
 which already holds both ranks' tokens, must equal the reference grad of that global expert.
 Per-rank losses must equal the EP=1 losses of the same batch. With and without mHC recompute.
+The same comparison without mHC runs first for each dispatcher (and weight layout): its
+errors, the layout's own rounding, are printed beside mHC's on the PASS line.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ SINGLE_GROUPED = dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
 
 
 def _config(ep: int, recompute: bool, dispatcher: str = "allgather",
-            single_grouped: bool = False):
+            single_grouped: bool = False, mhc: bool = True):
     extra = dict(moe_overrides(), num_moe_experts=EXPERTS, moe_token_dispatcher_type=dispatcher,
                  expert_model_parallel_size=ep, **(SINGLE_GROUPED if single_grouped else {}))
+    if not mhc:
+        extra.update(enable_hyper_connections=False)
     if recompute:
         extra.update(mhc_recompute=True, mhc_recompute_layer_num=1)
     return harness.config(**extra)
@@ -63,20 +67,24 @@ def _reference_part(name: str, rank: int, local: int):
     return _global_name(name, rank, local)
 
 
-def check(dispatcher: str, recompute: bool, single_grouped: bool = False) -> None:
+def check(dispatcher: str, recompute: bool, single_grouped: bool = False, mhc: bool = True,
+          baseline: dict | None = None) -> dict:
+    """One EP=2 vs EP=1 comparison; returns its errors (``loss_rel_err``,
+    ``worst_grad_rel_err``). With mHC it prints a PASS line, ``baseline`` (the same
+    comparison without mHC) beside its errors."""
     from megatron.core import parallel_state
 
     rank = torch.distributed.get_rank()
     data = batch(batch_size=2, seed=100 + rank, device=harness.DEVICE)  # one batch a rank
 
     harness.init_parallel(ep=1)
-    ref = harness.model(_config(1, False, single_grouped=single_grouped))
+    ref = harness.model(_config(1, False, single_grouped=single_grouped, mhc=mhc))
     ref_loss, ref_params, ref_grads = harness.data_parallel_reference(ref, data)
 
     harness.init_parallel(ep=2)
     assert parallel_state.get_expert_model_parallel_world_size() == 2
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    cfg = _config(2, recompute, dispatcher, single_grouped)
+    cfg = _config(2, recompute, dispatcher, single_grouped, mhc)
     model = harness.model(cfg)
     local = EXPERTS // 2
     names = {n: _reference_part(n, ep_rank, local) for n, _ in model.named_parameters()}
@@ -91,24 +99,32 @@ def check(dispatcher: str, recompute: bool, single_grouped: bool = False) -> Non
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
 
-    worst = harness.ep_grad_errors(model, names, ref_grads, f"ep=2 {dispatcher} rc={recompute}")
+    errors = {"loss_rel_err": harness.relative_error(loss.detach(), ref_loss.detach()),
+              "worst_grad_rel_err": harness.ep_grad_errors(model, names, ref_grads,
+                                                           f"ep=2 {dispatcher} rc={recompute}")}
     checked_mhc = sum("hyper_connection" in n for n, _ in model.named_parameters())
+    if not mhc:
+        assert checked_mhc == 0
+        return errors
     assert checked_mhc == 2 * 3 * cfg.num_layers
     grouped = " single_grouped=True" if single_grouped else ""
     print(f"PASS rank={rank} ep=2 dispatcher={dispatcher} recompute={recompute}{grouped} "
-          f"{harness.describe()} "
-          f"loss={loss.item():.6f} ref={ref_loss.item():.6f} worst_grad_rel_err={worst:.2e} "
+          f"{harness.describe()} loss={loss.item():.6f} ref={ref_loss.item():.6f} "
+          f"{harness.format_errors(errors, baseline)} "
           f"expert_params={n_expert} mhc_params={checked_mhc}", flush=True)
+    return errors
 
 
 def main():
     harness.init()
     dispatchers = ("allgather", "alltoall") if harness.DEVICE == "cuda" else ("allgather",)
     for dispatcher in dispatchers:
+        baseline = check(dispatcher, False, mhc=False)
         for recompute in (False, True):
-            check(dispatcher, recompute)
+            check(dispatcher, recompute, baseline=baseline)
     if harness.USE_TE:  # Megatron-Core 0.19.2's single grouped expert weight (TE only)
-        check("alltoall", False, single_grouped=True)
+        baseline = check("alltoall", False, single_grouped=True, mhc=False)
+        check("alltoall", False, single_grouped=True, baseline=baseline)
 
 
 if __name__ == "__main__":

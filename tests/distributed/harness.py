@@ -104,6 +104,14 @@ def worst_errors(errors: dict[str, float], k: int = 3) -> str:
     return " ".join(f"{name}={err:.1e}" for name, err in top)
 
 
+def format_errors(errors: dict[str, float], baseline: dict[str, float] | None) -> str:
+    """``name=err`` for each of mHC's ``errors``, then the baseline's (the same comparison
+    without mHC: the layout's own rounding) as ``baseline_name=err``."""
+    parts = [f"{k}={v:.2e}" for k, v in errors.items()]
+    parts += [f"baseline_{k}={v:.2e}" for k, v in (baseline or {}).items()]
+    return " ".join(parts)
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are zero)."""
     a, b = a.double(), b.double()

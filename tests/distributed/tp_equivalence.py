@@ -5,17 +5,18 @@ Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/tp_e
 where TE is installed.) Also with cross-layer mHC recompute on the TP=2 side (dense and MoE,
 sequence parallel), and with Megatron's full recompute (dense with its saved inputs distributed
 over TP, MoE with SP), and with DeepSeek-V4's conventions (``mhc_variant="deepseek_v4"``: its
-mappings, H_res transposed, the learned output head; with SP). Each rank first builds the TP=1 model (same seed -> same weights on both
-ranks), runs fwd+bwd, then rebuilds the model-parallel state with TP=2, loads the TP=1
-weights sharded along each parameter's partition_dim, runs fwd+bwd on the same batch, lets
-Megatron's own finalize step reduce the replicated (sequence-parallel) grads, and compares
-loss and gradients with the TP=1 run. Prints PASS lines; exits non-zero on a mismatch.
+mappings, H_res transposed, the learned output head; with SP). Each rank first builds the
+TP=1 model (same seed -> same weights on both ranks), runs fwd+bwd, then rebuilds the
+model-parallel state with TP=2, loads the TP=1 weights sharded along each parameter's
+partition_dim, runs fwd+bwd on the same batch, lets Megatron's own finalize step reduce the
+replicated (sequence-parallel) grads, and compares loss and gradients with the TP=1 run. The
+same comparison without mHC runs first: its errors (the layout's own rounding) are printed
+beside mHC's on the PASS line. Prints PASS lines; exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
 
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
-import sys
 
 import torch
 
@@ -48,7 +49,11 @@ def _fwd_bwd(model, data):
     return loss.detach()
 
 
-def check(kind: str, sp: bool, recompute: bool = False, mhc: bool = True) -> None:
+def check(kind: str, sp: bool, recompute: bool = False, mhc: bool = True,
+          baseline: dict | None = None) -> dict:
+    """One TP=2 vs TP=1 comparison; returns its errors (``loss_rel_err``,
+    ``worst_grad_rel_err``). With mHC it prints a PASS line, ``baseline`` (the same comparison
+    without mHC) beside its errors."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import (
@@ -82,21 +87,24 @@ def check(kind: str, sp: bool, recompute: bool = False, mhc: bool = True) -> Non
     print(f"GRAD ERRORS rank={rank} {'mHC' if mhc else 'baseline'} kind={kind} sp={sp} "
           f"recompute={recompute} worst: {harness.worst_errors(errors)}", flush=True)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    checked_mhc, worst = 0, max(errors.values())
+    checked_mhc = 0
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=2e-4, atol=2e-6,
                                    msg=lambda m, n=n: f"[{kind} sp={sp} rc={recompute}] grad of {n}: {m}")
         checked_mhc += "hyper_connection" in n
+    result = {"loss_rel_err": harness.relative_error(loss, ref_loss),
+              "worst_grad_rel_err": max(errors.values())}
     if not mhc:
-        return
+        assert checked_mhc == 0
+        return result
     assert checked_mhc == 2 * 3 * cfg2.num_layers  # two mappings a layer, (phi, alpha, bias)
     heads = sum(".head." in n for n in names)  # the output head's phi, alpha, bias
     assert heads == (3 if kind == "dsv4" else 0), heads
     print(f"PASS rank={rank} kind={kind} sp={sp} recompute={recompute} {harness.describe()} "
           f"loss={loss.item():.6f} ref={ref_loss.item():.6f} "
-          f"loss_rel_err={abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()):.2e} "
-          f"worst_grad_rel_err={worst:.2e} params={len(names)} mhc_params={checked_mhc}",
-          flush=True)
+          f"{harness.format_errors(result, baseline)} params={len(names)} "
+          f"mhc_params={checked_mhc}", flush=True)
+    return result
 
 
 CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
@@ -105,15 +113,20 @@ CASES = (("dense", False, False), ("dense", True, False), ("moe", True, False),
 
 
 def main():
-    """``--baseline``: the same comparisons without mHC (the layout's own rounding, for scale
-    when a comparison with mHC fails; prints GRAD ERRORS lines, no PASS lines)."""
-    mhc = "--baseline" not in sys.argv[1:]
+    """Each case runs first without mHC (the layout's own rounding, printed beside mHC's
+    errors on the PASS line; mHC recompute has no baseline of its own: that of the same
+    kind and SP), then with it. A failing comparison prints the worst gradients first
+    (GRAD ERRORS lines)."""
     harness.init()
     # Megatron requires sequence parallelism for MoE with tensor parallelism.
     # The TP=2 runs with mHC or Megatron's full recompute are compared with TP=1 without it.
+    baselines = {}
     for kind, sp, recompute in CASES:
-        if mhc or recompute is not True:  # mHC recompute needs mHC
-            check(kind, sp, recompute, mhc=mhc)
+        base_key = ("dense" if kind == "dsv4" else kind, sp,  # dsv4 without mHC is dense
+                    recompute if recompute == "full" else False)
+        if base_key not in baselines:
+            baselines[base_key] = check(*base_key, mhc=False)
+        check(kind, sp, recompute, baseline=baselines[base_key])
 
 
 if __name__ == "__main__":
