@@ -105,6 +105,22 @@ def stream_strides(N: tl.constexpr, C, X_BCAST: tl.constexpr):
 
 
 @triton.jit
+def projection_rows(part_ptr, ss_ptr, t64, tmask, T, K, SPLITS, rms_eps, MP: tl.constexpr,
+                    BT: tl.constexpr):
+    """A token block's projection from its split partials (``part [SPLITS, T, MP]``,
+    ``ss [SPLITS, T]``, summed in split order): ``P [BT, MP]`` (fp32, unnormalised) and
+    ``rstd [BT] = (sum(x^2) / K + rms_eps)^-1/2``; masked tokens read zeros."""
+    mcol = tl.arange(0, MP)
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for s in range(SPLITS):
+        row = s * T + t64
+        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
+        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0)
+    return acc, 1.0 / tl.sqrt(ss / K + rms_eps)
+
+
+@triton.jit
 def _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr):
     """``y [BT, BC] = sum_i h_pre[t, i] x[t, i, c]`` (fp32) for the tokens ``t64`` and

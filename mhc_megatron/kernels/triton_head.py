@@ -33,6 +33,7 @@ from mhc_megatron.kernels.triton_common import (
     _splits,
     forced_precision,
     plan,
+    projection_rows,
     streams_operand,
     token_block,
 )
@@ -57,13 +58,7 @@ def _head_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, w_ptr, ht_ptr, rstd_ptr, T,
     ``w [T, N] = sigmoid(alpha * Ht + bias) + eps`` (fp32)."""
     t, tmask, t64 = token_block(T, BT)
     mcol = tl.arange(0, MP)
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for s in range(SPLITS):
-        row = s * T + t64
-        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
-        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0)
-    rstd = 1.0 / tl.sqrt(ss / K + rms_eps)
+    acc, rstd = projection_rows(part_ptr, ss_ptr, t64, tmask, T, K, SPLITS, rms_eps, MP, BT)
     ht = acc * rstd[:, None]
     a = tl.load(alpha_ptr).to(tl.float32)
     b = tl.load(bias_ptr + mcol, mask=mcol < N, other=0.0).to(tl.float32)

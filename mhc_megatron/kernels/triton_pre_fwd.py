@@ -37,6 +37,7 @@ from mhc_megatron.kernels.triton_common import (
     _splits,
     _sweep_bc,
     plan,
+    projection_rows,
     stream_strides,
     token_block,
     token_rows,
@@ -104,13 +105,7 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
     TRANSPOSED stores ``h_res = M^T`` (``M[i, j]`` at ``j*N + i``)."""
     t, tmask, t64 = token_block(T, BT)
     mcol = tl.arange(0, MP)
-    acc = tl.zeros([BT, MP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for s in range(SPLITS):
-        row = s * T + t64
-        acc += tl.load(part_ptr + row[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
-        ss += tl.load(ss_ptr + row, mask=tmask, other=0.0)
-    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc, rstd = projection_rows(part_ptr, ss_ptr, t64, tmask, T, K, SPLITS, eps, MP, BT)
     tl.store(ht_ptr + t64[:, None] * MP + mcol[None, :], acc * rstd[:, None], mask=tmask[:, None])
     tl.store(rstd_ptr + t, rstd, mask=tmask)
     tl.debug_barrier()  # Ht rows written above are re-read below in another layout
