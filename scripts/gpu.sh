@@ -40,13 +40,14 @@ phases (variables that shape them on the right)
                                                    K, RECORD_GOLDEN=1 (record the GPU golden
                                                    losses into $OUT/golden first)
   pretrain   (2+ GPUs) examples/pretrain_gpt_mhc.py on the Python stdlib corpus: per
-             layout a baseline run, an mHC n=4 run stopped at STEPS/2 and resumed
-             from its checkpoint, and the same mHC run uninterrupted (the resume
-             check); benchmarks/pretrain_report.py
-                                                   LAYOUT ("tp2sp dp2"; also pp2, and with 4
-                                                   GPUs tp2pp2, pp2dp2), STEPS (300), NGPU,
-                                                   LOG_INTERVAL (10; 1: every step's loss),
-                                                   RESUME_CHECK (1; 0: no uninterrupted run)
+             layout a baseline run, an mHC n=4 run that saves a checkpoint at STEPS/2,
+             and a second mHC process that resumes from that checkpoint (the resume
+             check); then the bad-flag check and benchmarks/pretrain_report.py over
+             every layout in $OUT/pretrain
+                                                   LAYOUT ("tp2sp dp2 pp2"; with 4 GPUs also
+                                                   tp2pp2, pp2dp2), STEPS (300), NGPU,
+                                                   LOG_INTERVAL (1: every step's loss),
+                                                   BAD_FLAG (1; 0: skip the bad-flag check)
   demo       examples/train_gpt_mhc.py, its GPU preset   DEMO_ARGS
   study      examples/mhc_study.py, the quality study (resumes from $OUT/study)
                                                    SEEDS (3), BUDGET (s, 0: none), STUDY_ARGS
@@ -68,7 +69,7 @@ examples
   bash scripts/gpu.sh env tests kernels
   WHEELS=~/wheels bash scripts/gpu.sh env e2e
   INTERLEAVE=5 E2E_ARGS="--configs dense --specs te" bash scripts/gpu.sh e2e
-  LAYOUT="dp2 tp2sp" bash scripts/gpu.sh multigpu pretrain
+  LAYOUT="tp2sp dp2 pp2" bash scripts/gpu.sh multigpu pretrain
 EOF
 }
 
@@ -258,32 +259,36 @@ phase_example() {
   return $rc
 }
 
-# The ~85M-parameter GPT of the pretrain phase: 12 x 768, SwiGLU, RoPE, RMSNorm, seq 1024,
-# global batch 16, cosine LR; Megatron's local modules where TE is missing.
+# The ~100M-parameter GPT of the pretrain phase: 14 x 768, SwiGLU, RoPE, RMSNorm, seq 1024,
+# global batch 16, cosine LR, bf16; TE's modules (and TE's fused Adam) where TE is installed,
+# Megatron's local modules otherwise.
 pretrain_flags() {
-  local flags="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
+  local flags="--num-layers 14 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
     --max-position-embeddings 1024 --position-embedding-type rope --normalization RMSNorm
     --swiglu --disable-bias-linear --micro-batch-size 8 --global-batch-size 16
     --train-iters $STEPS --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30
     --clip-grad 1.0 --weight-decay 0.1 --bf16 --data-path $DATA --split 98,1,1
-    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval ${LOG_INTERVAL:-10} --eval-interval 50
-    --eval-iters 10 --log-throughput --seed 1234 --no-gradient-accumulation-fusion"
+    --tokenizer-type NullTokenizer --vocab-size 257 --log-interval ${LOG_INTERVAL:-1}
+    --eval-interval 50 --eval-iters 10 --log-throughput --seed 1234
+    --no-gradient-accumulation-fusion"
   have_te || flags="$flags --transformer-impl local --no-persist-layer-norm --no-rope-fusion
     --no-masked-softmax-fusion"
   echo $flags  # one line
 }
 
 phase_pretrain() {
-  local n rc=0 dir="$OUT/pretrain" layout par base ck
+  local n rc=0 dir="$OUT/pretrain" layout par base ck mhc half
   n="${NGPU:-$(ngpu)}"
   if [ "$n" -lt 2 ]; then echo "SUMMARY: needs 2 or more GPUs, found $n"; return 1; fi
   STEPS="${STEPS:-300}" DATA="$dir/data/stdlib"
+  half=$((STEPS / 2))
   mkdir -p "$dir"
-  "$PY" examples/prepare_stdlib_corpus.py "$DATA" --max-mb 8 || return 1
+  [ -f "$DATA.bin" ] || "$PY" examples/prepare_stdlib_corpus.py "$DATA" --max-mb 8 || return 1
   base="$(pretrain_flags)"
+  mhc="--enable-hyper-connections --num-residual-streams 4"
   # shellcheck disable=SC2086  # base is a flag list
   run() { torchrun --standalone --nproc-per-node="$n" examples/pretrain_gpt_mhc.py $base "$@"; }
-  for layout in ${LAYOUT:-tp2sp dp2}; do
+  for layout in ${LAYOUT:-tp2sp dp2 pp2}; do
     case $layout in
       tp2sp) par="--tensor-model-parallel-size 2 --sequence-parallel" ;;
       dp2) par="--use-distributed-optimizer" ;;
@@ -296,34 +301,31 @@ phase_pretrain() {
     ck="$dir/ckpt_$layout"; rm -rf "$ck"
     # shellcheck disable=SC2086
     run $par > "$dir/${layout}_baseline.log" 2>&1 || rc=1
+    # the mHC run, uninterrupted; it saves a checkpoint half-way
     # shellcheck disable=SC2086
-    run $par --enable-hyper-connections --num-residual-streams 4 --save "$ck" \
-      --save-interval $((STEPS / 2)) --exit-interval $((STEPS / 2)) \
-      > "$dir/${layout}_mhc_part1.log" 2>&1 || rc=1
+    run $par $mhc --save "$ck" --save-interval "$half" > "$dir/${layout}_mhc.log" 2>&1 || rc=1
+    # a new process resumes from the half-way checkpoint (model, optimizer, scheduler, RNG,
+    # data position) and trains to the end: its losses must continue the uninterrupted run's
     # shellcheck disable=SC2086
-    run $par --enable-hyper-connections --num-residual-streams 4 --load "$ck" --save "$ck" \
-      --save-interval $((STEPS / 2)) > "$dir/${layout}_mhc_part2.log" 2>&1 || rc=1
-    if [ "${RESUME_CHECK:-1}" = 1 ]; then  # the same mHC run uninterrupted, for the resume check
-      # shellcheck disable=SC2086
-      run $par --enable-hyper-connections --num-residual-streams 4 \
-        > "$dir/${layout}_mhc_full.log" 2>&1 || rc=1
-    fi
+    run $par $mhc --load "$ck" --ckpt-step "$half" > "$dir/${layout}_mhc_resumed.log" 2>&1 || rc=1
+    rm -rf "$ck"
     for f in "$dir/${layout}"_*.log; do
       echo "== $f"
-      grep -E "loaded checkpoint|saved checkpoint|validation loss at iteration|max allocated" \
-        "$f" | cut -c1-300 | tail -6
+      grep -E "loaded checkpoint|saved checkpoint|validation loss at iteration $STEPS|max allocated" \
+        "$f" | cut -c1-300 | tail -4
       grep -E "Error|error:" "$f" | tail -3
     done
   done
-  # a bad mHC flag stops every rank with the config's error (no hang)
-  # shellcheck disable=SC2086
-  timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$n" \
-    examples/pretrain_gpt_mhc.py $base --enable-hyper-connections --num-residual-streams 0 \
-    > "$dir/bad_flag.log" 2>&1
-  local bad=$? ranks; ranks="$(grep -c 'ValueError: mHC config: ' "$dir/bad_flag.log")"
-  echo "bad flag --num-residual-streams 0: rc=$bad (124 = hang)," \
-    "ranks with the config error: $ranks"
-  [ "$bad" != 0 ] && [ "$bad" != 124 ] && [ "$ranks" -ge 1 ] || rc=1
+  if [ "${BAD_FLAG:-1}" = 1 ]; then  # a bad mHC flag stops every rank with the config's error
+    # shellcheck disable=SC2086
+    timeout 300 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$n" \
+      examples/pretrain_gpt_mhc.py $base --enable-hyper-connections --num-residual-streams 0 \
+      > "$dir/bad_flag.log" 2>&1
+    local bad=$? ranks; ranks="$(grep -c 'ValueError: mHC config: ' "$dir/bad_flag.log")"
+    echo "bad flag --num-residual-streams 0: rc=$bad (124 = hang)," \
+      "ranks with the config error: $ranks"
+    [ "$bad" != 0 ] && [ "$bad" != 124 ] && [ "$ranks" -ge 1 ] || rc=1
+  fi
   "$PY" benchmarks/pretrain_report.py "$dir" --out "$dir" || rc=1
   echo "SUMMARY: $(awk -F'|' '/^\| [a-z0-9]+ \| mHC/ { gsub(/^ +| +$/, "", $2); gsub(/ /, "", $7)
     gsub(/ /, "", $10); printf "%s mHC step %s of baseline, val %s; ", $2, $7, $10 }' \

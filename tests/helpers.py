@@ -74,6 +74,19 @@ def moe_overrides() -> dict:
                 moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", add_bias_linear=False)
 
 
+def single_grouped_expert_overrides() -> dict:
+    """Config overrides for Megatron-Core 0.19.2's single grouped expert weight
+    (``moe_single_grouped_weight``: the local experts' weights as one TE parameter). It needs
+    TE's op fuser, which Megatron enables for squared-ReLU experts with its fused weighted
+    activation, or for SwiGLU only with TE's CuTe DSL kernels (``NVTE_CUTEDSL_FUSED_GROUPED_MLP``);
+    the squared-ReLU form runs on any CUDA GPU. TE specs only."""
+    from megatron.core.activations import squared_relu
+
+    return dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
+                use_transformer_engine_op_fuser=True, activation_func=squared_relu,
+                gated_linear_unit=False, use_fused_weighted_squared_relu=True)
+
+
 def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:
     spec = spec or get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=te)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,

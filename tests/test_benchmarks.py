@@ -78,28 +78,35 @@ def test_pretrain_report_reproduces_the_committed_table(tmp_path):
 
 
 def test_pretrain_report_resume_check(tmp_path):
-    """With an uninterrupted mHC run beside the interrupted one (``<layout>_mhc_full.log``),
-    the report compares the losses logged after the resume: zero where the runs agree, the
-    largest difference where one logged loss differs; and a loss-curve PNG per layout."""
+    """The resume check compares every loss both runs logged: zero where the resumed run
+    agrees with the uninterrupted one, the largest difference where one logged loss differs
+    (absolute and relative); and a loss-curve PNG per layout. The stand-in resumed runs are
+    copies of the committed uninterrupted mHC logs, one with a training loss moved by 0.01."""
+    import re
     import shutil
 
     logs = tmp_path / "logs"
     shutil.copytree(ROOT / "docs" / "results" / "pretrain_2gpu", logs)
-    part1, part2 = ((logs / f"tp2sp_mhc_part{i}.log").read_text() for i in (1, 2))
-    full = part1 + part2.replace("lm loss: 1.445584E+00", "lm loss: 1.455584E+00")
-    (logs / "tp2sp_mhc_full.log").write_text(full)
-    (logs / "dp2_mhc_full.log").write_text((logs / "dp2_mhc_part1.log").read_text()
-                                           + (logs / "dp2_mhc_part2.log").read_text())
+    layouts = sorted(p.name[: -len("_mhc.log")] for p in logs.glob("*_mhc.log"))
+    assert len(layouts) >= 2, layouts
+    for layout in layouts:
+        shutil.copy(logs / f"{layout}_mhc.log", logs / f"{layout}_mhc_resumed.log")
+    moved = logs / f"{layouts[0]}_mhc_resumed.log"
+    text = moved.read_text()
+    last = list(re.finditer(r"lm loss: ([0-9.E+-]+) \|", text))[-1]
+    loss = float(last.group(1))
+    moved.write_text(text[:last.start(1)] + f"{loss + 0.01:.6E}" + text[last.end(1):])
     out = tmp_path / "out"
     out.mkdir()
     run_script("benchmarks/pretrain_report.py", str(logs), "--out", str(out))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in (out / "summary.md").read_text().splitlines()
-            if line.count("|") == 5 and "iterations compared" not in line and "---" not in line}
-    assert rows["tp2sp"][1:] == ["1.00e-02", "0.00e+00"], rows
-    assert rows["dp2"][1:] == ["0.00e+00", "0.00e+00"], rows
-    assert rows["tp2sp"][0].startswith("151-300"), rows
-    for layout in ("tp2sp", "dp2"):
+            if line.count("|") == 7 and "iterations compared" not in line and "---" not in line}
+    assert sorted(rows) == layouts, rows
+    assert rows[layouts[0]][1:] == ["1.00e-02", f"{0.01 / loss:.2e}", "0.00e+00", "0.00e+00"], rows
+    for layout in layouts[1:]:
+        assert rows[layout][1:] == ["0.00e+00"] * 4, rows
+    for layout in layouts:
         assert (out / f"loss_curves_{layout}.png").stat().st_size > 0
 
 

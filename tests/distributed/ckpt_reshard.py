@@ -19,7 +19,7 @@ import sys
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
 
-from helpers import batch, moe_overrides
+from helpers import batch, moe_overrides, single_grouped_expert_overrides
 
 
 def _config(kind: str, tp: int):
@@ -137,8 +137,7 @@ def check_expert_parallel(root: str, single_grouped: bool = False) -> None:
     weights as TE's single grouped parameter (``moe_single_grouped_weight``)."""
     from ep_equivalence import EXPERTS
 
-    grouped = (dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
-                    use_transformer_engine_op_fuser=True) if single_grouped else {})
+    grouped = single_grouped_expert_overrides() if single_grouped else {}
 
     def build(ep, seed):
         harness.init_parallel(ep=ep, seed=seed)

@@ -21,20 +21,18 @@ import re
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
 
-from helpers import batch, lm_loss, moe_overrides
+from helpers import batch, lm_loss, moe_overrides, single_grouped_expert_overrides
 
 EXPERTS = 4
 LOCAL_EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)|(weight|bias)(\d+)$")
 
 
-SINGLE_GROUPED = dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
-                      use_transformer_engine_op_fuser=True)  # TE specs only
-
-
 def _config(ep: int, recompute: bool, dispatcher: str = "allgather",
             single_grouped: bool = False, mhc: bool = True):
     extra = dict(moe_overrides(), num_moe_experts=EXPERTS, moe_token_dispatcher_type=dispatcher,
-                 expert_model_parallel_size=ep, **(SINGLE_GROUPED if single_grouped else {}))
+                 expert_model_parallel_size=ep)
+    if single_grouped:
+        extra.update(single_grouped_expert_overrides())
     if not mhc:
         extra.update(enable_hyper_connections=False)
     if recompute:
