@@ -16,13 +16,23 @@ so wall time is host time:
   and mHC + ``mhc_recompute`` step time (forward + backward, synced), the models alive
   together and timed in alternating rounds (``--rounds`` x 10 steps): the differences are
   mHC's (and the recompute's) host cost per step; divided by the sublayers, per sublayer;
-* ``--profile-out``: cProfile of the per-op calls (the top functions by own time).
+* ``--profile-out``: cProfile of the per-op calls (the top functions by own time);
+* ``--breakdown``: the dense model's step as baseline, mHC, and mHC with *null ops* (autograd
+  functions that allocate the ops' outputs and gradients and launch nothing): null minus
+  baseline is the layer code around the ops (Python, autograd nodes, the mHC parameters'
+  gradient accumulation), mHC minus null the ops; per step the minimum and the median over
+  alternating rounds (host noise only adds time, so the minimum is the steadier estimate);
+* ``--profile-models OUT``: where a model step's extra host time goes: the dense model's
+  baseline and mHC steps under cProfile (Python functions and the torch calls they make, per
+  step: mHC minus baseline, by own time and by cumulative time in mhc_megatron's files) and
+  under torch's profiler (aten ops and CUDA launches a step, mHC minus baseline).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -34,7 +44,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
-from bench_e2e import RUNS, _sync, emit_report, interleaved_runs  # noqa: E402
+from bench_e2e import RUNS, _sync, build, emit_report, interleaved_runs, make_step  # noqa: E402
 
 from mhc_megatron.kernels.triton_combine import _CombineFn  # noqa: E402
 from mhc_megatron.kernels.triton_pre import _PreFn  # noqa: E402
@@ -113,8 +123,7 @@ def model_rows(args) -> list[str]:
     conditions)."""
     rows = []
     for kind in ("dense", "moe"):
-        shape = dict(layers=4, hidden=args.hidden, ffn=2 * args.hidden, heads=8,
-                     seq=args.tokens, mbs=1, vocab=1024)
+        shape = _dense_shape(args)
         if kind == "moe":
             shape.update(experts=16, topk=4, ffn=args.hidden // 2, shared=args.hidden)
         # bench_e2e's runs (baseline, mHC, mHC + recompute), built together, alternating rounds
@@ -131,6 +140,189 @@ def model_rows(args) -> list[str]:
     return rows
 
 
+def _dense_shape(args) -> dict:
+    return dict(layers=4, hidden=args.hidden, ffn=2 * args.hidden, heads=8, seq=args.tokens,
+                mbs=1, vocab=1024)
+
+
+def _func_name(key) -> str:
+    path, line, func = key
+    if path == "~":
+        return func  # a builtin: "<method 'contiguous' of 'torch._C.TensorBase' objects>"
+    parts = path.replace("\\", "/").split("/")
+    short = "/".join(parts[parts.index("site-packages") + 1:] if "site-packages" in parts
+                     else parts[-2:])
+    return f"{short}:{line}({func})"
+
+
+def profile_models(args, out_path: str, steps: int) -> None:
+    """The dense model's baseline and mHC steps under cProfile and torch's profiler; writes
+    the per-step differences (mHC minus baseline) to ``out_path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = _dense_shape(args)
+    sub = 2 * shape["layers"]
+    runs = {name: make_step(build(shape, "local", mhc, False, DEVICE)[0], shape, "local", DEVICE)
+            for name, mhc in (("baseline", False), ("mHC", True))}
+    stats, ops = {}, {}
+    for name, step in runs.items():
+        for _ in range(5):
+            step()
+        _sync()
+        gc.collect()
+        gc.disable()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        _sync()
+        stats[name] = pstats.Stats(prof).stats
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(steps):
+                step()
+        _sync()
+        gc.enable()
+        ops[name] = {e.key: (e.count, e.self_cpu_time_total) for e in tprof.key_averages()}
+    base, mhc = stats["baseline"], stats["mHC"]
+    per = 1e6 / steps
+    rows = []
+    for key in set(base) | set(mhc):
+        b, m = base.get(key, (0, 0, 0.0, 0.0, {})), mhc.get(key, (0, 0, 0.0, 0.0, {}))
+        rows.append(((m[2] - b[2]) * per, (m[1] - b[1]) / steps, (m[3] - b[3]) * per, key))
+    total_b = sum(v[2] for v in base.values()) * per
+    total_m = sum(v[2] for v in mhc.values()) * per
+    lines = [f"cProfile, {steps} steps each (times inflated by the profiler), dense model, "
+             f"{sub} sublayers: own time a step baseline {total_b:.0f} us, mHC {total_m:.0f} "
+             f"us, +{(total_m - total_b) / sub:.0f} us a sublayer", "",
+             "| function | extra calls / step | extra own us / step | extra cumulative us / step |",
+             "|---|---|---|---|"]
+    for tt, calls, ct, key in sorted(rows, key=lambda r: -r[0])[:45]:
+        lines.append(f"| {_func_name(key)} | {calls:+.0f} | {tt:+.1f} | {ct:+.1f} |")
+    lines += ["", "mHC's own functions (mhc_megatron), cumulative us a step:", "",
+              "| function | calls / step | own us / step | cumulative us / step |",
+              "|---|---|---|---|"]
+    ours = [(v[3] * per, v[1] / steps, v[2] * per, k) for k, v in mhc.items()
+            if "mhc_megatron" in k[0]]
+    for ct, calls, tt, key in sorted(ours, key=lambda r: -r[0])[:40]:
+        lines.append(f"| {_func_name(key)} | {calls:.0f} | {tt:.1f} | {ct:.1f} |")
+    lines += ["", "torch profiler: ops a step, mHC minus baseline (self CPU us a step)", "",
+              "| op | extra calls / step | extra self CPU us / step |", "|---|---|---|"]
+    keys = set(ops["baseline"]) | set(ops["mHC"])
+    diff = [((ops["mHC"].get(k, (0, 0))[0] - ops["baseline"].get(k, (0, 0))[0]) / steps,
+             (ops["mHC"].get(k, (0, 0))[1] - ops["baseline"].get(k, (0, 0))[1]) / steps, k)
+            for k in keys]
+    for calls, us, k in sorted(diff, key=lambda r: -abs(r[1]))[:40]:
+        lines.append(f"| {k} | {calls:+.1f} | {us:+.1f} |")
+    with open(out_path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines[:60]), flush=True)
+
+
+class _NullPre(torch.autograd.Function):
+    """pre's outputs (``y [..., C]``, ``h_pre``, ``h_post [T, n]``, ``h_res [T, n, n]``,
+    uninitialised) and, in backward, its input gradients: allocations only, no kernels."""
+
+    @staticmethod
+    def forward(ctx, x, phi, alpha, bias, n):
+        ctx.save_for_backward(x, phi, alpha, bias)
+        if n is None:  # tokens [T, n, C] (broadcast streams)
+            (T, n, C), y_shape = x.shape, (x.shape[0], x.shape[2])
+        else:  # streams [..., n*C]
+            C = x.shape[-1] // n
+            T, y_shape = x.numel() // (n * C), (*x.shape[:-1], C)
+        f32 = dict(device=x.device, dtype=torch.float32)
+        return (x.new_empty(y_shape), torch.empty(T, n, **f32), torch.empty(T, n, **f32),
+                torch.empty(T, n, n, **f32))
+
+    @staticmethod
+    def backward(ctx, dy, dh_pre, dh_post, dh_res):
+        x, phi, alpha, bias = ctx.saved_tensors
+        return (torch.empty_like(x), torch.empty_like(phi), torch.empty_like(alpha),
+                torch.empty_like(bias), None)
+
+
+class _NullCombine(torch.autograd.Function):
+    """combine's output ``[..., n*C]`` and, in backward, its input gradients: allocations
+    only, no kernels."""
+
+    @staticmethod
+    def forward(ctx, x, f, h_res, h_post):
+        ctx.save_for_backward(x, f, h_res, h_post)
+        return x.new_empty(x.shape)  # contiguous, also for broadcast streams
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def null_ops():
+    """An :class:`~mhc_megatron.kernels.dispatch.MHCOps` whose pre and combine launch no
+    kernel (see ``--breakdown``); the paper form's model only (no output head)."""
+    from mhc_megatron.kernels.dispatch import MHCOps
+
+    def pre(x, phi, alpha, bias, iterations, eps, n=None, form=None):
+        return _NullPre.apply(x, phi, alpha, bias, n)
+
+    def combine(x, f, f_bias, h_res, h_post, n=None):
+        return _NullCombine.apply(x, f, h_res, h_post)
+
+    def aggregate(x, h_pre, n=None):
+        return x.new_empty((x.shape[0], x.shape[2]) if n is None
+                           else (*x.shape[:-1], x.shape[-1] // n))
+
+    return MHCOps("null", pre, combine, aggregate, output_head=None)
+
+
+def breakdown_rows(args) -> list[str]:
+    """``--breakdown``: baseline, mHC and mHC with null ops, the dense model, alternating
+    rounds; per run the minimum and the median step time, and per sublayer the layer code's
+    and the ops' share of mHC's extra time."""
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+    shape = _dense_shape(args)
+    sub = 2 * shape["layers"]
+    models = {name: build(shape, "local", mhc, False, DEVICE)[0]
+              for name, mhc in (("baseline", False), ("mHC", True), ("mHC, null ops", True))}
+    ops = null_ops()
+    for module in models["mHC, null ops"].modules():
+        if isinstance(module, HyperConnectionModule):
+            module._ops = lambda streams, ops=ops: ops  # this model's modules only
+    steps = {name: make_step(m, shape, "local", DEVICE) for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
+        for _ in range(5):
+            step()
+    _sync()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                for _ in range(10):
+                    _sync()
+                    t0 = time.perf_counter()
+                    step()
+                    _sync()
+                    times[name].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        gc.enable()
+    lo = {name: min(t) for name, t in times.items()}
+    med = {name: statistics.median(t) for name, t in times.items()}
+    lines = ["| run (dense, 4 layers, local specs) | step ms, min | step ms, median | "
+             "per sublayer over the baseline, us (min / median) |", "|---|---|---|---|"]
+    for name in steps:
+        lines.append(f"| {name} | {lo[name]:.2f} | {med[name]:.2f} | "
+                     f"{1e3 * (lo[name] - lo['baseline']) / sub:+.0f} / "
+                     f"{1e3 * (med[name] - med['baseline']) / sub:+.0f} |")
+    wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
+    kern = (lo["mHC"] - lo["mHC, null ops"]) / sub * 1e3
+    lines += ["", f"per sublayer (minimum): layer code around the ops {wrap:.0f} us, the ops "
+              f"{kern:.0f} us"]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=64)
@@ -139,6 +331,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-models", action="store_true")
     p.add_argument("--profile-out", default=None)
+    p.add_argument("--profile-models", default=None, metavar="OUT")
+    p.add_argument("--profile-steps", type=int, default=30)
+    p.add_argument("--breakdown", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state
@@ -171,6 +366,11 @@ def main(argv=None):
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(35)
         with open(args.profile_out, "w") as fh:
             fh.write(s.getvalue())
+    if args.profile_models:
+        profile_models(args, args.profile_models, args.profile_steps)
+    if args.breakdown:
+        lines += ["", "Breakdown: mHC's layer code and its ops (null ops: allocations only)",
+                  ""] + breakdown_rows(args)
     if not args.no_models:
         lines += ["", "step (ms): median of the rounds' medians (the rounds' range); per "
                   "sublayer: the growth / sublayers, us", "",

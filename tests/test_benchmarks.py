@@ -68,6 +68,22 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
                      "combine forward (autograd apply)", "combine backward"]
 
 
+def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
+    """``--breakdown`` times the baseline, mHC and mHC with null ops (no kernels) side by
+    side; ``--profile-models`` writes the per-step differences of the two models' profiles."""
+    out, prof = tmp_path / "host.md", tmp_path / "models.md"
+    run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
+               "--no-models", "--breakdown", "--rounds", "1", "--profile-models", str(prof),
+               "--profile-steps", "3",
+               "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
+            if line.startswith("| baseline") or line.startswith("| mHC")]
+    assert rows == ["baseline", "mHC", "mHC, null ops"], rows
+    text = prof.read_text()
+    assert "extra own us / step" in text and "mhc_megatron" not in text.split("\n")[0]
+    assert "layers/hyper_connection.py" in text, text[:2000]
+
+
 def test_pretrain_report_reproduces_the_committed_table(tmp_path):
     """``pretrain_report.py`` on the committed 2-GPU pretraining logs writes the committed
     ``summary.md`` (the table benchmarks/RESULTS.md cites) and the loss curves."""
