@@ -134,7 +134,9 @@ def grad_norm_printed():
 
 
 def forward_step(data_iterator, model, return_schedule_plan=False):
-    """One micro-batch: ``(per-token losses, loss_func)`` as Megatron's schedules expect."""
+    """One micro-batch: ``(per-token losses, loss_func)`` as Megatron's schedules expect;
+    with ``return_schedule_plan`` (the MoE EP-overlap schedule) the model's schedule plan in
+    place of the losses."""
     from megatron.training import get_args
 
     batch = next(data_iterator)
@@ -144,7 +146,11 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: the combined 1F1B schedule
+        output = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
+                                           loss_mask=loss_mask)
+    else:
+        output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     log_micro_batch = get_args().log_micro_batch_loss
     phase = "train" if model.training else "eval"
 

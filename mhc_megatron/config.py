@@ -332,10 +332,20 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "set apply_residual_connection_post_layernorm=False")
     _validate_cuda_graphs(config)
     _validate_offloading(config)
-    if config.overlap_moe_expert_parallel_comm:
-        _fail("overlap_moe_expert_parallel_comm",
-              "the MoE EP-overlap schedule splits the layer outside the mHC hooks",
-              "set overlap_moe_expert_parallel_comm=False")
+    if config.overlap_moe_expert_parallel_comm and config.mhc_recompute:
+        _fail("overlap_moe_expert_parallel_comm / mhc_recompute",
+              "the MoE EP-overlap schedule runs a layer as separate schedule nodes, each with "
+              "its own autograd graph, and mhc_recompute's blocks replay whole layers across "
+              "them",
+              "set mhc_recompute=False (the overlap's own memory savings remain), or "
+              "overlap_moe_expert_parallel_comm=False")
+    if config.overlap_moe_expert_parallel_comm and config.fine_grained_activation_offloading \
+            and "mlp_norm" in (config.offload_modules or []):
+        _fail("overlap_moe_expert_parallel_comm / offload_modules",
+              "offloading 'mlp_norm' (an mHC layer's MLP input streams) is not supported with "
+              "the MoE EP-overlap schedule's mHC nodes",
+              "drop 'mlp_norm' from offload_modules, or set "
+              "overlap_moe_expert_parallel_comm=False")
     if config.inference_fuse_tp_communication:
         _fail("inference_fuse_tp_communication",
               "the fused residual-add of the inference kernels bypasses the mHC combine",

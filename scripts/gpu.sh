@@ -33,8 +33,10 @@ phases (variables that shape them on the right)
   recompute  benchmarks/bench_recompute.py: mhc_recompute's activation memory and step time
                                                    RECOMPUTE_ARGS (e.g. "--spec te")
   multigpu   (2+ GPUs) tests/test_distributed.py, tests/test_ddp_param_gather.py and
-             tests/test_hybrid_distributed.py over NCCL, benchmarks/bench_pp_p2p.py
-                                                   K (a pytest -k filter), PER_TEST
+             tests/test_hybrid_distributed.py over NCCL, benchmarks/bench_pp_p2p.py,
+             benchmarks/bench_ep_overlap.py
+                                                   K (a pytest -k filter), PER_TEST,
+                                                   EP_OVERLAP_ARGS
   example    the GPU cases of tests/test_pretrain_example.py and tests/test_pretrain_hybrid.py
              (Megatron's pretrain loop, GPT and HybridModel)
                                                    K, RECORD_GOLDEN=1 (record the GPU golden
@@ -241,7 +243,12 @@ phase_multigpu() {
   local tests; tests="$(pytest_line "$OUT/multigpu.log")"
   torchrun --standalone --nproc-per-node=2 benchmarks/bench_pp_p2p.py \
     --out "$OUT/multigpu_p2p.md" || rc=1
-  echo "SUMMARY: $n GPUs; tests: $tests; stage-boundary table in multigpu_p2p.md"
+  # shellcheck disable=SC2086
+  torchrun --standalone --nproc-per-node=2 benchmarks/bench_ep_overlap.py \
+    --spec "$(have_te && echo te || echo local)" ${EP_OVERLAP_ARGS:-} \
+    --out "$OUT/multigpu_ep_overlap.md" || rc=1
+  echo "SUMMARY: $n GPUs; tests: $tests; stage-boundary table in multigpu_p2p.md, EP-overlap" \
+    "table in multigpu_ep_overlap.md"
   return $rc
 }
 

@@ -49,6 +49,11 @@ def test_recompute_block_size_defaults_to_eq20(layers, n, expected):
     assert cfg.mhc_recompute_block_size == 3
 
 
+# Megatron's MoE EP-overlap schedule (its own requirements: EP > 1, alltoall, bf16)
+EP_OVERLAP = dict(overlap_moe_expert_parallel_comm=True, num_moe_experts=4,
+                  expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+                  bf16=True, pipeline_dtype=torch.bfloat16)
+
 REFUSED = {
     "n_zero": (dict(num_residual_streams=0), "num_residual_streams"),
     "n_bool": (dict(num_residual_streams=True), "num_residual_streams"),
@@ -117,10 +122,11 @@ REFUSED = {
     "stream_offloading_with_mhc_recompute": (
         dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"],
              mhc_recompute=True), "mhc_recompute / offload_modules"),
-    "moe_ep_overlap": (dict(overlap_moe_expert_parallel_comm=True, num_moe_experts=4,
-                            expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
-                            bf16=True, pipeline_dtype=torch.bfloat16),
-                       "overlap_moe_expert_parallel_comm"),
+    "moe_ep_overlap_mhc_recompute": (dict(EP_OVERLAP, mhc_recompute=True),
+                                     "overlap_moe_expert_parallel_comm / mhc_recompute"),
+    "moe_ep_overlap_mlp_norm_offload": (
+        dict(EP_OVERLAP, fine_grained_activation_offloading=True, offload_modules=["mlp_norm"]),
+        "overlap_moe_expert_parallel_comm / offload_modules"),
 }
 
 
@@ -138,6 +144,12 @@ def test_refused_inference_optimized(overrides, field):
     """Refused by us before Megatron's own assertions on these layers (with or without TE)."""
     with pytest.raises(ValueError, match=rf"mHC config: .*{field}.*Fix: "):
         MHCTransformerConfig(**{**BASE, **overrides})
+
+
+def test_moe_ep_overlap_is_accepted():
+    """The EP-overlap schedule runs mHC MoE layers through their own schedule nodes
+    (:mod:`mhc_megatron.layers.fine_grained`, tests/test_fine_grained.py)."""
+    assert MHCTransformerConfig(**{**BASE, **EP_OVERLAP}).overlap_moe_expert_parallel_comm
 
 
 def test_unsupported_settings_are_fine_when_mhc_is_off():

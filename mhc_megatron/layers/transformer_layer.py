@@ -17,8 +17,10 @@ arm a :class:`_StreamCombine` that sits in the ``self_attn_bda`` / ``mlp_bda`` s
 Megatron calls the bias-dropout-add it gets ``x' = H_res x + H_post^T dropout(f + bias)``
 instead of ``y + dropout(f + bias)``. Everything else Megatron does around the sublayer
 (selective recompute of layernorm / MLP / core attention, MoE un-flattening, the final
-``make_viewless_tensor``) runs unchanged; CUDA graphs, the MoE EP-overlap schedule,
-the legacy ``cpu_offloading`` and fused-TP inference are refused by the config.
+``make_viewless_tensor``) runs unchanged; CUDA graphs, the legacy ``cpu_offloading``
+and fused-TP inference are refused by the config. Megatron's MoE EP-overlap schedule runs a
+layer as separate nodes; an mHC MoE layer's nodes are built by
+:mod:`~mhc_megatron.layers.fine_grained`.
 
 Fine-grained activation offloading runs as in Megatron's layer; with ``"attn_norm"`` /
 ``"mlp_norm"`` in ``offload_modules`` each sublayer's input streams (the real residual,
@@ -180,6 +182,10 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                                                      config=config)
             self.mlp_bda = _StreamCombine(self.mlp_hyper_connection,
                                           stream_offload_group(config, "mlp_norm"))
+        if config.overlap_moe_expert_parallel_comm:  # Megatron's fine-grained MoE schedule
+            from mhc_megatron.layers import fine_grained
+
+            fine_grained.install()
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)

@@ -1,0 +1,159 @@
+"""mHC layers as Megatron's fine-grained schedule nodes (``overlap_moe_expert_parallel_comm``).
+
+Each layer runs through Megatron's own ``TransformerLayerSchedulePlan`` (its nodes, their
+detach-and-hand-back of tensors between nodes, its forward and backward order) with the
+callables :mod:`mhc_megatron.layers.fine_grained` builds, on one CPU rank with the reference
+ops and no CUDA streams (a stand-in event; Megatron's nodes run ``torch.cuda.stream(None)``,
+a no-op, and ``record_stream`` is one here; no node frees its input after forward: Megatron frees them assuming the alltoall
+or flex dispatcher and its permuted copies, and on CPU the allgather dispatcher runs, whose
+dispatch and experts read their inputs again in backward). The result must equal the layer's own forward and backward: output, input gradient
+and every parameter gradient, bit for bit. The overlap itself (two micro-batches, CUDA
+streams, EP=2) needs GPUs: ``tests/distributed/``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import SEQ, build_gpt, moe_overrides, tiny_config
+
+pytestmark = pytest.mark.usefixtures("seeded")
+
+
+class _Event:
+    """Stands in for the chunk's ``torch.cuda.Event`` (one rank, one stream)."""
+
+    def wait(self, stream=None):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+def _chunk_state(model, mask, rope):
+    from megatron.core.models.common.model_chunk_schedule_plan import ModelChunkState
+
+    state = ModelChunkState()
+    state.model, state.attention_mask, state.rotary_pos_emb = model, mask, rope
+    state.rotary_pos_cos = state.rotary_pos_sin = None
+    state.packed_seq_params = state.sequence_len_offset = None
+    return state
+
+
+def _layer_inputs(model, layer, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = layer.config.hidden_size * (1 if layer.expands_streams else layer.n)
+    x = torch.randn(SEQ, 2, width, generator=g)
+    dout = torch.randn(SEQ, 2, layer.config.hidden_size * layer.n, generator=g)
+    return x, dout
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _eager(layer, batches, mask, rope):
+    """Each micro-batch's forward and backward in turn (gradients accumulate)."""
+    layer.zero_grad(set_to_none=True)
+    outs, dxs = [], []
+    for x, dout in batches:
+        x = x.clone().requires_grad_()
+        out, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
+        out.backward(dout)
+        outs.append(out.detach())
+        dxs.append(x.grad)
+    return outs, dxs, _grads(layer)
+
+
+def _scheduled(model, layer, batches, mask, rope):
+    """The micro-batches through Megatron's layer schedule plans as the combined 1F1B
+    schedule runs them: the first forward alone, then each next forward interleaved with
+    the previous micro-batch's backward, node by node, then the last backward alone."""
+    from megatron.core.models.common.model_chunk_schedule_plan import (
+        TransformerLayerSchedulePlan as Plan,
+    )
+
+    from mhc_megatron.layers import fine_grained
+
+    fine_grained.install()
+    layer.zero_grad(set_to_none=True)
+    state = _chunk_state(model, mask, rope)
+    plans = [Plan(layer, _Event(), state, None, None, extra_args={"is_last_layer": False})
+             for _ in batches]
+    xs = [x.clone().requires_grad_() for x, _ in batches]
+    outs, dxs = [], []
+    out, _ = Plan.run(plans[0], None, f_input=xs[0])
+    outs.append(out.detach())
+    for i in range(1, len(batches)):
+        out, dx = Plan.run(plans[i], plans[i - 1], f_input=xs[i], b_grad=batches[i - 1][1])
+        outs.append(out.detach())
+        dxs.append(dx)
+    _, dx = Plan.run(None, plans[-1], b_grad=batches[-1][1], is_last_layer_in_bwd=True)
+    dxs.append(dx)
+    return outs, dxs, _grads(layer)
+
+
+@pytest.fixture
+def cpu_nodes(monkeypatch):
+    from megatron.core.models.common import utils
+
+    monkeypatch.setattr(utils.TransformerLayerNode, "_resolve_free_input",
+                        staticmethod(lambda *args: False))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)  # no streams
+
+
+def _assert_same(eager, scheduled):
+    (outs, dxs, grads), (outs2, dxs2, grads2) = eager, scheduled
+    for a, b in zip(outs + dxs, outs2 + dxs2, strict=True):
+        assert torch.equal(a, b)
+    assert sorted(grads) == sorted(grads2)
+    for n in grads:
+        assert torch.equal(grads[n], grads2[n]), n
+
+
+@pytest.mark.usefixtures("cpu_nodes")
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("layer_index", [0, 1], ids=["expanding_layer", "layer_2"])
+@pytest.mark.parametrize("kind", ["moe", "moe_shared_expert", "dense"])
+def test_layer_nodes_equal_the_layer(kind, layer_index, micro_batches):
+    """A MoE mHC layer as nodes 1-4 (ours for 1 and 4), a dense one as Megatron's nodes: the
+    same outputs, input gradients and parameter gradients, bit for bit, also with the
+    second micro-batch's forward interleaved with the first's backward."""
+    extra = {} if kind == "dense" else moe_overrides()
+    if kind == "moe_shared_expert":
+        extra.update(moe_shared_expert_intermediate_size=32)
+    model = build_gpt(tiny_config(**extra))
+    layer = model.decoder.layers[layer_index]
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    rope = model.rotary_pos_emb(SEQ)
+    batches = [_layer_inputs(model, layer, seed=10 * layer_index + i) for i in range(micro_batches)]
+    eager = _eager(layer, batches, mask, rope)
+    assert sum("hyper_connection" in n for n in eager[2]) == 6
+    _assert_same(eager, _scheduled(model, layer, batches, mask, rope))
+
+
+def test_mhc_recompute_is_refused():
+    from mhc_megatron.layers.fine_grained import build_mhc_layer_callables
+
+    model = build_gpt(tiny_config(**moe_overrides(), mhc_recompute=True))
+    with pytest.raises(ValueError, match="mhc_recompute with overlap_moe_expert_parallel_comm"):
+        build_mhc_layer_callables(model.decoder.layers[1])
+
+
+def test_install_routes_mhc_layers_only():
+    """After :func:`install` Megatron's ``build_layer_callables`` builds an mHC MoE layer's
+    nodes with ours and leaves a layer with mHC off to Megatron's builder."""
+    from megatron.core.models.common import fine_grained_callables as fgc
+
+    from mhc_megatron.layers import fine_grained
+
+    fine_grained.install()
+    fine_grained.install()  # idempotent: one wrapper
+    assert fgc.build_layer_callables.mhc_wraps.__module__ == fgc.__name__
+    mhc = build_gpt(tiny_config(**moe_overrides())).decoder.layers[1]
+    funcs, _ = fgc.build_layer_callables(mhc)
+    assert funcs[0].func is fine_grained._pre_dispatch and funcs[3].func is fine_grained._combine
+    plain = build_gpt(tiny_config(**moe_overrides(), enable_hyper_connections=False))
+    funcs, _ = fgc.build_layer_callables(plain.decoder.layers[1])
+    assert funcs[0].__module__ == "megatron.core.models.gpt.fine_grained_callables"
