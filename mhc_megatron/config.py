@@ -332,6 +332,14 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "set apply_residual_connection_post_layernorm=False")
     _validate_cuda_graphs(config)
     _validate_offloading(config)
+    if config.overlap_moe_expert_parallel_comm and _last_layer_is_dense(config):
+        _fail("overlap_moe_expert_parallel_comm / moe_layer_freq",
+              "the decoder's last layer is dense, and Megatron-Core 0.19.2's EP-overlap "
+              "schedule applies the decoder's final norm only in a MoE layer's last node (a "
+              "plain Megatron model then skips its final norm silently; an mHC model's final "
+              "norm also contracts the streams)",
+              "make the last layer a MoE layer (moe_layer_freq, e.g. dense layers first as "
+              "DeepSeek's), or set overlap_moe_expert_parallel_comm=False")
     if config.overlap_moe_expert_parallel_comm and config.mhc_recompute:
         _fail("overlap_moe_expert_parallel_comm / mhc_recompute",
               "the MoE EP-overlap schedule runs a layer as separate schedule nodes, each with "
@@ -353,6 +361,19 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
     if config.transformer_impl == "inference_optimized":
         _fail("transformer_impl", "'inference_optimized' layers fuse the residual add",
               "use transformer_impl='local' or 'transformer_engine'")
+
+
+def _last_layer_is_dense(config) -> bool:
+    """Whether the decoder's last layer has a dense MLP (Megatron's ``moe_layer_freq``: an int
+    k makes every k-th layer from the first MoE, a list gives one 0/1 a layer)."""
+    if not config.num_moe_experts:
+        return True
+    freq, last = config.moe_layer_freq, config.num_layers - 1
+    if isinstance(freq, int):
+        return last % freq != 0
+    if isinstance(freq, (list, tuple)) and freq:
+        return not freq[-1]
+    return False
 
 
 # Partial MoE graph scopes: the graph ends after the router (and the dispatch preprocess), and

@@ -122,6 +122,10 @@ REFUSED = {
     "stream_offloading_with_mhc_recompute": (
         dict(fine_grained_activation_offloading=True, offload_modules=["attn_norm"],
              mhc_recompute=True), "mhc_recompute / offload_modules"),
+    "moe_ep_overlap_dense_last_layer": (dict(EP_OVERLAP, num_layers=2, moe_layer_freq=[1, 0]),
+                                        "overlap_moe_expert_parallel_comm / moe_layer_freq"),
+    "moe_ep_overlap_dense_last_layer_freq": (dict(EP_OVERLAP, num_layers=4, moe_layer_freq=2),
+                                             "overlap_moe_expert_parallel_comm / moe_layer_freq"),
     "moe_ep_overlap_mhc_recompute": (dict(EP_OVERLAP, mhc_recompute=True),
                                      "overlap_moe_expert_parallel_comm / mhc_recompute"),
     "moe_ep_overlap_mlp_norm_offload": (
@@ -148,8 +152,11 @@ def test_refused_inference_optimized(overrides, field):
 
 def test_moe_ep_overlap_is_accepted():
     """The EP-overlap schedule runs mHC MoE layers through their own schedule nodes
-    (:mod:`mhc_megatron.layers.fine_grained`, tests/test_fine_grained.py)."""
+    (:mod:`mhc_megatron.layers.fine_grained`, tests/test_fine_grained.py); dense layers
+    before the last are fine."""
     assert MHCTransformerConfig(**{**BASE, **EP_OVERLAP}).overlap_moe_expert_parallel_comm
+    assert MHCTransformerConfig(**{**BASE, **EP_OVERLAP, "num_layers": 2,
+                                   "moe_layer_freq": [0, 1]}).overlap_moe_expert_parallel_comm
 
 
 def test_unsupported_settings_are_fine_when_mhc_is_off():

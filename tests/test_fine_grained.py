@@ -3,12 +3,15 @@
 Each layer runs through Megatron's own ``TransformerLayerSchedulePlan`` (its nodes, their
 detach-and-hand-back of tensors between nodes, its forward and backward order) with the
 callables :mod:`mhc_megatron.layers.fine_grained` builds, on one CPU rank with the reference
-ops and no CUDA streams (a stand-in event; Megatron's nodes run ``torch.cuda.stream(None)``,
-a no-op, and ``record_stream`` is one here; no node frees its input after forward: Megatron frees them assuming the alltoall
-or flex dispatcher and its permuted copies, and on CPU the allgather dispatcher runs, whose
-dispatch and experts read their inputs again in backward). The result must equal the layer's own forward and backward: output, input gradient
-and every parameter gradient, bit for bit. The overlap itself (two micro-batches, CUDA
-streams, EP=2) needs GPUs: ``tests/distributed/``.
+ops and no CUDA streams: a stand-in event, Megatron's nodes run ``torch.cuda.stream(None)``
+(a no-op) and ``record_stream`` is one here. No node frees its input after forward: Megatron
+frees them assuming the alltoall or flex dispatcher and its permuted copies, and on CPU the
+allgather dispatcher runs, whose dispatch and experts read their inputs again in backward.
+The result must equal the layer's own forward and backward: output, input gradient and
+every parameter gradient, bit for bit. The same for a whole model through Megatron's
+``TransformerModelChunkSchedulePlan`` (embedding, every layer, the final norm, the loss;
+with an MTP depth), the stand-ins extended to the chunk's event and streams. The overlap
+itself (CUDA streams, EP=2) needs GPUs: ``tests/distributed/ep_overlap_equivalence.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SEQ, build_gpt, moe_overrides, tiny_config
+from helpers import SEQ, VOCAB, batch, build_gpt, moe_overrides, tiny_config
 
 pytestmark = pytest.mark.usefixtures("seeded")
 
@@ -157,3 +160,72 @@ def test_install_routes_mhc_layers_only():
     plain = build_gpt(tiny_config(**moe_overrides(), enable_hyper_connections=False))
     funcs, _ = fgc.build_layer_callables(plain.decoder.layers[1])
     assert funcs[0].__module__ == "megatron.core.models.gpt.fine_grained_callables"
+
+
+def _gpt(kind: str):
+    """A 2-layer mHC GPT: MoE layers, a dense then a MoE layer (the schedule applies the final
+    norm after a MoE last layer only: the config refuses a dense one), or MoE layers with one
+    MTP depth."""
+    from megatron.core.models.gpt import GPTModel
+
+    from mhc_megatron.specs import (
+        get_gpt_decoder_block_with_mhc_spec,
+        get_gpt_mtp_block_with_mhc_spec,
+    )
+
+    extra = dict(moe_overrides())
+    if kind == "mix":
+        extra["moe_layer_freq"] = [0, 1]
+    if kind == "mtp":
+        extra["mtp_num_layers"] = 1
+    cfg = tiny_config(**extra)
+    block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_with_mhc_spec(cfg, block, False) if cfg.mtp_num_layers else None
+    return GPTModel(cfg, block, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope", mtp_block_spec=mtp)
+
+
+@pytest.mark.usefixtures("cpu_nodes")
+@pytest.mark.parametrize("kind", ["moe", "mix", "mtp"])
+def test_model_schedule_plan_equals_the_model(kind, monkeypatch):
+    """Two micro-batches through Megatron's model-chunk schedule plans, the second's forward
+    interleaved with the first's backward (``TransformerModelChunkSchedulePlan.run``, as the
+    combined 1F1B schedule calls it): per-token losses and every parameter gradient bit for
+    bit those of the model's forward and backward, micro-batch after micro-batch (the tied
+    embedding to float rounding: its contributions add up in another order)."""
+    from megatron.core.models.common import model_chunk_schedule_plan as plans
+
+    from mhc_megatron.layers import fine_grained
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plans, "get_comp_stream", lambda: None)
+    monkeypatch.setattr(plans, "get_comm_stream", lambda: None)
+    fine_grained.install()
+    model = _gpt(kind)
+    data = [batch(batch_size=2, seed=50 + i) for i in range(2)]
+    eager = []
+    for ids, pos, mask, labels in data:
+        out = model(ids, pos, mask, labels=labels)
+        out.float().mean().backward()
+        eager.append(out.detach())
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    run = plans.TransformerModelChunkSchedulePlan.run
+    chunk = [model.build_schedule_plan(ids, pos, mask, labels=labels)
+             for ids, pos, mask, labels in data]
+    outs = [run(chunk[0], None)]
+    outs.append(run(chunk[1], chunk[0], b_grad=torch.full_like(outs[0], 1 / outs[0].numel())))
+    run(None, chunk[1], b_grad=torch.full_like(outs[1], 1 / outs[1].numel()))
+    for a, b in zip(eager, outs, strict=True):
+        assert torch.equal(a, b.detach())
+    grads2 = _grads(model)
+    assert sorted(grads) == sorted(grads2)
+    assert sum("hyper_connection" in n for n in grads) == (18 if kind == "mtp" else 12)
+    for n in grads:
+        if n == "embedding.word_embeddings.weight":
+            # the input embedding and the output layer share it: the schedule adds the four
+            # contributions of the two micro-batches in another order than eager backward
+            torch.testing.assert_close(grads[n], grads2[n], rtol=1e-6, atol=1e-9)
+        else:
+            assert torch.equal(grads[n], grads2[n]), n

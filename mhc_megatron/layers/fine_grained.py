@@ -1,4 +1,4 @@
-"""mHC layers under Megatron-Core's fine-grained MoE schedule (``overlap_moe_expert_parallel_comm``).
+"""mHC layers in Megatron-Core's fine-grained MoE schedule (``overlap_moe_expert_parallel_comm``).
 
 Megatron's combined 1F1B schedule (``pipeline_parallel/combined_1f1b.py``) runs a MoE layer
 as five schedule nodes and interleaves two micro-batches' nodes, so that one micro-batch's

@@ -4,14 +4,15 @@ Run: MHC_DIST_DEVICE=cuda torchrun --nproc-per-node=2 tests/distributed/ep_overl
 
 GPUs only (the overlap runs the alltoall dispatcher and CUDA streams; Megatron requires EP > 1
 and bf16). Two ranks, EP=2 (each rank its own micro-batches, as data parallelism), a 4-layer
-GPT whose layers alternate MoE and dense MLPs (``moe_layer_freq``), Megatron's DDP and Adam in
-bf16, STEPS optimizer steps of MICRO micro-batches through Megatron's no-pipelining schedule:
-once plain, once with ``overlap_moe_expert_parallel_comm`` (its combined 1F1B schedule: the
-layers run as schedule nodes, micro-batch i+1's forward interleaved with micro-batch i's
-backward; mHC MoE layers through :mod:`mhc_megatron.layers.fine_grained`). Same initial weights,
-same data. Every micro-batch's loss and every step's grad norm must agree within bf16 noise:
-the baseline (mHC off) runs the same comparison, and its differences are printed beside
-mHC's. Also with a multi-token-prediction depth.
+GPT whose layers alternate dense and MoE MLPs (``moe_layer_freq``; the last must be MoE),
+Megatron's DDP and Adam in bf16, STEPS optimizer steps of MICRO micro-batches through
+Megatron's no-pipelining schedule: once plain, once with ``overlap_moe_expert_parallel_comm``
+(its combined 1F1B schedule: the layers run as schedule nodes, micro-batch i+1's forward
+interleaved with micro-batch i's backward; mHC MoE layers through
+:mod:`mhc_megatron.layers.fine_grained`). Same initial weights, same data. Every
+micro-batch's loss and every step's grad norm must agree within bf16 noise: the baseline
+(mHC off) runs the same comparison, and its differences are printed beside mHC's. Also with
+a multi-token-prediction depth.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ FLOOR = 5e-3
 
 def _config(overlap: bool, mhc: bool, kind: str):
     extra = dict(moe_overrides(), moe_token_dispatcher_type="alltoall",
-                 expert_model_parallel_size=2, moe_layer_freq=[1, 0] * (LAYERS // 2),
+                 expert_model_parallel_size=2, moe_layer_freq=[0, 1] * (LAYERS // 2),
                  bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
                  overlap_moe_expert_parallel_comm=overlap)
     if kind == "mtp":
@@ -111,8 +112,8 @@ def compare(kind: str, mhc: bool) -> dict:
     """Plain vs overlapped training; returns the largest relative differences."""
     losses, norms, weights = _train(_config(False, mhc, kind), None)
     losses2, norms2, _ = _train(_config(True, mhc, kind), weights)
-    return {"loss_rel_diff": _max_rel(losses2, losses), "grad_norm_rel_diff": _max_rel(norms2, norms),
-            "losses": losses, "norms": norms}
+    return {"loss_rel_diff": _max_rel(losses2, losses),
+            "grad_norm_rel_diff": _max_rel(norms2, norms), "losses": losses, "norms": norms}
 
 
 def check(kind: str) -> None:
