@@ -12,7 +12,8 @@ interleaved with micro-batch i's backward; mHC MoE layers through
 :mod:`mhc_megatron.layers.fine_grained`). Same initial weights, same data. Every
 micro-batch's loss and every step's grad norm must agree within bf16 noise: the baseline
 (mHC off) runs the same comparison, and its differences are printed beside mHC's. Also with
-a multi-token-prediction depth.
+a multi-token-prediction depth, and with TE with ``delay_wgrad_compute`` (the schedule runs
+the weight gradients as a separate pass).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _config(overlap: bool, mhc: bool, kind: str):
                  overlap_moe_expert_parallel_comm=overlap)
     if kind == "mtp":
         extra["mtp_num_layers"] = 1
+    if kind == "delay_wgrad" and overlap:  # the weight gradients as a separate pass (TE)
+        extra["delay_wgrad_compute"] = True
     if not mhc:
         extra["enable_hyper_connections"] = False
     return harness.config(num_layers=LAYERS, **extra)
@@ -134,7 +137,7 @@ def main():
     if harness.DEVICE != "cuda":
         raise SystemExit("ep_overlap_equivalence.py needs 2 GPUs (MHC_DIST_DEVICE=cuda)")
     harness.init()
-    for kind in ("mix", "mtp"):
+    for kind in ("mix", "mtp") + (("delay_wgrad",) if harness.USE_TE else ()):
         check(kind)
 
 
