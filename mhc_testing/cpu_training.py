@@ -24,6 +24,7 @@ What megatron.training 0.19.2 needs on CPU, and what each shim does:
   tracker, with a placeholder state so that checkpoint loading finds one (without it Megatron
   prints "Unable to load rng state" and exits with code 0).
 * TP/CP > 1 query the GPU architecture: reported as Hopper.
+* Megatron's torch FSDP2 wrapper builds its ``DeviceMesh`` on "cuda": built on the CPU.
 """
 
 from __future__ import annotations
@@ -93,12 +94,27 @@ def _install_cuda_to_cpu_mode() -> None:
             return func(*args, **kwargs)
 
     CudaToCpu().__enter__()  # active for the rest of the process
+    _device_meshes_on_cpu()
     torch.cuda.Stream = _NoStream
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.empty_cache = lambda: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *a, **k: None
+
+
+def _device_meshes_on_cpu() -> None:
+    """``DeviceMesh.from_group(group, "cuda")`` (Megatron's torch FSDP2 wrapper) builds a CPU
+    mesh."""
+    from torch.distributed import DeviceMesh
+
+    from_group = DeviceMesh.from_group
+
+    @functools.wraps(from_group)
+    def on_cpu(group, device_type, *args, **kwargs):
+        return from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(on_cpu)
 
 
 _CUDA_TO_CPU = False

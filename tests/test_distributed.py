@@ -112,6 +112,16 @@ def test_expert_parallel_overlap_matches_plain_schedule(setup):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("setup", SETUPS)
+def test_torch_fsdp2_matches_ddp(setup):
+    """torch FSDP2 through Megatron's ``TorchFullyShardedDataParallel`` at DP=2 == Megatron's
+    DDP at DP=2: every step's loss and grad norm over 3 Adam steps (fp32; on GPUs also bf16),
+    the mHC parameters sharded (DTensors) and updated; the baseline's differences beside."""
+    out = _torchrun("fsdp_equivalence.py", setup)
+    _expect(out, ["fsdp2 dp=2 bf16=False "] + (["fsdp2 dp=2 bf16=True "] if setup != "cpu" else []))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setup", SETUPS)
 def test_pipeline_parallel_matches_single_rank(setup):
     """PP=2 (1F1B) and PP=2 x 2 virtual stages (interleaved) == PP=1 through Megatron's own
     schedules, 4 micro-batches: every micro-batch loss and every gradient, dense, MoE and with

@@ -1,0 +1,122 @@
+"""Fully sharded data parallelism with mHC layers: torch FSDP2 through Megatron's
+``TorchFullyShardedDataParallel`` at DP=2 equals Megatron's DDP at DP=2 (which equals DP=1:
+``tests/test_pretrain_example.py``).
+
+Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/fsdp_equivalence.py
+
+Two ranks, each its own micro-batch a step; the same initial weights; Megatron's optimizer
+(Adam, gradient clipping) for STEPS steps, once on DDP (all-reduced gradients, replicated
+parameters) and once on FSDP2 (every parameter, the mHC mappings' included, a DTensor sharded
+over the two ranks; gradients reduce-scattered). Every step's loss on each rank and the grad
+norm must agree (float rounding of the two reductions), and the mHC parameters must be
+sharded and updated. The parameters' largest difference after the steps is printed, not
+bounded: Adam turns the rounding noise of a near-zero gradient into a full step (the mHC
+mapping biases have such entries; the baseline's attention biases too, less so). The baseline (mHC off) runs the same comparison; its differences are
+printed beside mHC's. fp32 on CPU ranks; on GPUs also bf16.
+"""
+
+from __future__ import annotations
+
+import harness  # noqa: F401  (first: hides TE on CPU ranks)
+import torch
+
+from helpers import batch, lm_loss
+
+STEPS = 3
+
+
+def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
+    """STEPS steps; (losses on this rank, grad norms, initial weights, final mHC parameters
+    as full tensors, whether they were sharded)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from torch.distributed.tensor import DTensor
+
+    # Megatron's FSDP2 wrapper shards TE's linear modules on their own only with TE specs
+    impl = "transformer_engine" if harness.USE_TE else "local"
+    extra = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
+    cfg = harness.config(enable_hyper_connections=mhc, transformer_impl=impl, **extra)
+    model = harness.model(cfg)
+    if weights is None:
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    if bf16:
+        model = Float16Module(cfg, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+    wrapped = (TorchFullyShardedDataParallel if wrapper == "fsdp2" else DistributedDataParallel)(
+        cfg, ddp_config, model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16,
+                                                 clip_grad=1.0), [wrapped])
+    rank = torch.distributed.get_rank()
+    losses, norms = [], []
+    for step in range(STEPS):
+        wrapped.zero_grad_buffer()
+        opt.zero_grad()
+        loss = lm_loss(wrapped, batch(seed=100 * step + rank, device=harness.DEVICE))
+        loss.backward()
+        wrapped.finish_grad_sync()
+        ok, grad_norm, _ = opt.step()
+        assert ok, f"{wrapper} step {step}: the optimizer skipped the step"
+        losses.append(loss.item())
+        norms.append(float(grad_norm))
+    params, sharded = {}, []
+    for n, p in wrapped.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[n[n.index("embedding"):] if "embedding" in n else n[n.index("decoder"):]
+               if "decoder" in n else n.split("module.")[-1]] = full.detach().float().clone()
+        if "hyper_connection" in n:
+            sharded.append(isinstance(p, DTensor))
+    return losses, norms, weights, params, sharded
+
+
+def _max_rel(a: list, b: list) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def compare(mhc: bool, bf16: bool) -> dict:
+    losses, norms, weights, params, _ = _train("ddp", mhc, bf16, None)
+    losses2, norms2, _, params2, sharded = _train("fsdp2", mhc, bf16, weights)
+    assert sorted(params) == sorted(params2), sorted(set(params) ^ set(params2))
+    errors = {n: harness.relative_error(params2[n], params[n]) for n in params}
+    out = {"loss_rel_diff": _max_rel(losses2, losses),
+           "grad_norm_rel_diff": _max_rel(norms2, norms), "param_rel_diff": max(errors.values())}
+    print(f"PARAM ERRORS rank={torch.distributed.get_rank()} mhc={mhc} bf16={bf16} worst: "
+          f"{harness.worst_errors(errors)}", flush=True)
+    if mhc:
+        assert sharded and all(sharded), "mHC parameters not sharded by FSDP2"
+        initial = {n[n.index("decoder"):]: w.float() for n, w in weights.items()
+                   if "hyper_connection" in n}
+        assert len(initial) == len(sharded)
+        for n, w in initial.items():
+            assert not torch.equal(params2[n], w), f"{n} was not updated"
+    return out
+
+
+def check(bf16: bool) -> None:
+    tol = 2e-2 if bf16 else 1e-5
+    base = compare(mhc=False, bf16=bf16)
+    mine = compare(mhc=True, bf16=bf16)
+    for key in ("loss_rel_diff", "grad_norm_rel_diff"):
+        assert mine[key] <= max(3 * base[key], tol), (
+            f"[fsdp2 bf16={bf16}] mHC {key} {mine[key]:.2e} vs the baseline's {base[key]:.2e}")
+    print(f"PASS rank={torch.distributed.get_rank()} fsdp2 dp=2 bf16={bf16} "
+          f"{harness.describe()} steps={STEPS} {harness.format_errors(mine, base)}", flush=True)
+
+
+def main():
+    harness.init(cuda_to_cpu=True)
+    # once: FSDP2's device mesh keeps the data-parallel group it was built from, which a
+    # rebuilt parallel state would replace (the weights are copied between the runs anyway)
+    harness.init_parallel()
+    for bf16 in (False, True) if harness.DEVICE == "cuda" else (False,):
+        check(bf16)
+
+
+if __name__ == "__main__":
+    main()
