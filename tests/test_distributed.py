@@ -112,12 +112,18 @@ def test_expert_parallel_overlap_matches_plain_schedule(setup):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("setup", SETUPS)
-def test_torch_fsdp2_matches_ddp(setup):
-    """torch FSDP2 through Megatron's ``TorchFullyShardedDataParallel`` at DP=2 == Megatron's
-    DDP at DP=2: every step's loss and grad norm over 3 Adam steps (fp32; on GPUs also bf16),
-    the mHC parameters sharded (DTensors) and updated; the baseline's differences beside."""
+def test_fully_sharded_data_parallel_matches_ddp(setup):
+    """torch FSDP2 through Megatron's ``TorchFullyShardedDataParallel`` (and on GPUs
+    Megatron-FSDP, ``optim_grads_params`` and ``optim_grads``) at DP=2 == Megatron's DDP at
+    DP=2: every step's loss and grad norm over 3 Adam steps (fp32; on GPUs also bf16), the mHC
+    parameters sharded (DTensors) and updated; the baseline's differences beside."""
     out = _torchrun("fsdp_equivalence.py", setup)
-    _expect(out, ["fsdp2 dp=2 bf16=False "] + (["fsdp2 dp=2 bf16=True "] if setup != "cpu" else []))
+    if setup == "cpu":
+        _expect(out, ["fsdp2 dp=2 bf16=False "])
+    else:
+        _expect(out, [f"{w} dp=2 bf16={b} " for w in ("fsdp2", "megatron_fsdp_optim_grads_params",
+                                                      "megatron_fsdp_optim_grads")
+                      for b in (False, True)])
 
 
 @pytest.mark.distributed

@@ -1,18 +1,21 @@
 """Fully sharded data parallelism with mHC layers: torch FSDP2 through Megatron's
-``TorchFullyShardedDataParallel`` at DP=2 equals Megatron's DDP at DP=2 (which equals DP=1:
-``tests/test_pretrain_example.py``).
+``TorchFullyShardedDataParallel``, and on GPUs Megatron-FSDP (``use_megatron_fsdp``, sharding
+``optim_grads_params`` and ``optim_grads``), at DP=2 equal Megatron's DDP at DP=2 (which equals
+DP=1: ``tests/test_pretrain_example.py``).
 
 Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/fsdp_equivalence.py
 
 Two ranks, each its own micro-batch a step; the same initial weights; Megatron's optimizer
 (Adam, gradient clipping) for STEPS steps, once on DDP (all-reduced gradients, replicated
-parameters) and once on FSDP2 (every parameter, the mHC mappings' included, a DTensor sharded
-over the two ranks; gradients reduce-scattered). Every step's loss on each rank and the grad
-norm must agree (float rounding of the two reductions), and the mHC parameters must be
-sharded and updated. The parameters' largest difference after the steps is printed, not
-bounded: Adam turns the rounding noise of a near-zero gradient into a full step (the mHC
-mapping biases have such entries; the baseline's attention biases too, less so). The baseline (mHC off) runs the same comparison; its differences are
-printed beside mHC's. fp32 on CPU ranks; on GPUs also bf16.
+parameters) and once fully sharded (FSDP2: every parameter, the mHC mappings' included, a
+DTensor sharded over the two ranks; gradients reduce-scattered). Every step's loss on each
+rank and the grad norm must agree (float rounding of the two reductions), and the mHC
+parameters must be sharded and updated. The parameters' largest difference after the steps
+is printed, not bounded: Adam turns the rounding noise of a near-zero gradient into a full
+step (the mHC mapping biases have such entries; the baseline's attention biases too, less
+so). The baseline (mHC off) runs the same comparison; its differences are printed beside
+mHC's. fp32 on CPU ranks; on GPUs also bf16. Megatron-FSDP is CUDA-only (it places its
+buffers on the current CUDA device).
 """
 
 from __future__ import annotations
@@ -48,11 +51,22 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
             p.copy_(weights[n])
     if bf16:
         model = Float16Module(cfg, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
-    wrapped = (TorchFullyShardedDataParallel if wrapper == "fsdp2" else DistributedDataParallel)(
-        cfg, ddp_config, model)
+    megatron_fsdp = wrapper.startswith("megatron_fsdp_")
+    if megatron_fsdp:  # Megatron-FSDP, the sharding strategy after the prefix
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=bf16, use_megatron_fsdp=True, use_distributed_optimizer=True,
+            data_parallel_sharding_strategy=wrapper[len("megatron_fsdp_"):])
+        wrapped = FullyShardedDataParallel(cfg, ddp_config, model)
+    else:
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+        wrapped = (TorchFullyShardedDataParallel if wrapper == "fsdp2"
+                   else DistributedDataParallel)(cfg, ddp_config, model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16,
-                                                 clip_grad=1.0), [wrapped])
+                                                 clip_grad=1.0,
+                                                 use_distributed_optimizer=megatron_fsdp),
+                                 [wrapped])
     rank = torch.distributed.get_rank()
     losses, norms = [], []
     for step in range(STEPS):
@@ -79,9 +93,9 @@ def _max_rel(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
-def compare(mhc: bool, bf16: bool) -> dict:
+def compare(wrapper: str, mhc: bool, bf16: bool) -> dict:
     losses, norms, weights, params, _ = _train("ddp", mhc, bf16, None)
-    losses2, norms2, _, params2, sharded = _train("fsdp2", mhc, bf16, weights)
+    losses2, norms2, _, params2, sharded = _train(wrapper, mhc, bf16, weights)
     assert sorted(params) == sorted(params2), sorted(set(params) ^ set(params2))
     errors = {n: harness.relative_error(params2[n], params[n]) for n in params}
     out = {"loss_rel_diff": _max_rel(losses2, losses),
@@ -89,7 +103,8 @@ def compare(mhc: bool, bf16: bool) -> dict:
     print(f"PARAM ERRORS rank={torch.distributed.get_rank()} mhc={mhc} bf16={bf16} worst: "
           f"{harness.worst_errors(errors)}", flush=True)
     if mhc:
-        assert sharded and all(sharded), "mHC parameters not sharded by FSDP2"
+        if wrapper in ("fsdp2", "megatron_fsdp_optim_grads_params"):
+            assert sharded and all(sharded), f"mHC parameters not sharded by {wrapper}"
         initial = {n[n.index("decoder"):]: w.float() for n, w in weights.items()
                    if "hyper_connection" in n}
         assert len(initial) == len(sharded)
@@ -98,15 +113,18 @@ def compare(mhc: bool, bf16: bool) -> dict:
     return out
 
 
-def check(bf16: bool) -> None:
+def check(wrapper: str, bf16: bool) -> None:
     tol = 2e-2 if bf16 else 1e-5
-    base = compare(mhc=False, bf16=bf16)
-    mine = compare(mhc=True, bf16=bf16)
+    base = compare(wrapper, mhc=False, bf16=bf16)
+    mine = compare(wrapper, mhc=True, bf16=bf16)
     for key in ("loss_rel_diff", "grad_norm_rel_diff"):
         assert mine[key] <= max(3 * base[key], tol), (
-            f"[fsdp2 bf16={bf16}] mHC {key} {mine[key]:.2e} vs the baseline's {base[key]:.2e}")
-    print(f"PASS rank={torch.distributed.get_rank()} fsdp2 dp=2 bf16={bf16} "
+            f"[{wrapper} bf16={bf16}] mHC {key} {mine[key]:.2e} vs the baseline's {base[key]:.2e}")
+    print(f"PASS rank={torch.distributed.get_rank()} {wrapper} dp=2 bf16={bf16} "
           f"{harness.describe()} steps={STEPS} {harness.format_errors(mine, base)}", flush=True)
+
+
+WRAPPERS = ("fsdp2", "megatron_fsdp_optim_grads_params", "megatron_fsdp_optim_grads")
 
 
 def main():
@@ -114,8 +132,10 @@ def main():
     # once: FSDP2's device mesh keeps the data-parallel group it was built from, which a
     # rebuilt parallel state would replace (the weights are copied between the runs anyway)
     harness.init_parallel()
-    for bf16 in (False, True) if harness.DEVICE == "cuda" else (False,):
-        check(bf16)
+    cuda = harness.DEVICE == "cuda"
+    for wrapper in WRAPPERS if cuda else WRAPPERS[:1]:
+        for bf16 in (False, True) if cuda else (False,):
+            check(wrapper, bf16)
 
 
 if __name__ == "__main__":
