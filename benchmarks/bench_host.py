@@ -12,6 +12,9 @@ so wall time is host time:
   forward and of their backward (the backward functions called on the main thread with the
   saved context, as autograd's engine calls them), median over ``--iters`` calls, and the
   kernel launches and tensor allocations each makes;
+* the physical floor: the host time of as many empty Triton kernel launches as one
+  sublayer's ops make (forward and backward), through our launcher and through Triton's own,
+  beside the sum of the four ops' host times (CUDA only);
 * per model step (``bench_e2e``'s GPT, local specs, 4 layers, dense and MoE): baseline, mHC
   and mHC + ``mhc_recompute`` step time (forward + backward, synced), the models alive
   together and timed in alternating rounds (``--rounds`` x 10 steps): the differences are
@@ -323,6 +326,39 @@ def breakdown_rows(args) -> list[str]:
     return lines
 
 
+def launch_floor_rows(launches: int, iters: int) -> list[str]:
+    """Host time of ``launches`` launches of an empty Triton kernel, through
+    :class:`~mhc_megatron.kernels.launch.Launcher` (the ops' path) and through Triton's own
+    launcher, median over ``iters`` repetitions."""
+    import triton
+    import triton.language as tl  # noqa: F401  (the kernel's language)
+
+    from mhc_megatron.kernels.launch import Launcher, Meta
+
+    @triton.jit
+    def _empty(x_ptr):
+        pass
+
+    x = torch.empty(16, device=DEVICE)
+    launcher, meta = Launcher(_empty), Meta(num_warps=1)
+
+    def ours():
+        for _ in range(launches):
+            launcher((1,), meta, x)
+
+    def tritons():
+        for _ in range(launches):
+            _empty[(1,)](x, num_warps=1)
+
+    rows = []
+    for name, fn in (("our launcher", ours), ("Triton's launcher", tritons)):
+        for _ in range(5):
+            fn()
+        rows.append(f"| {launches} empty kernel launches, {name} | {host_us(fn, iters):.1f} | "
+                    f"{launches} | 0 |")
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=64)
@@ -347,6 +383,7 @@ def main(argv=None):
              f"{args.tokens} tokens, hidden {args.hidden}", "",
              "| op | host us / call | kernel launches | allocations |", "|---|---|---|---|"]
     cases = op_cases(args.tokens, args.hidden)
+    total_us, total_launches = 0.0, 0
     for name, fn in cases:
         for _ in range(5):
             fn()
@@ -354,6 +391,11 @@ def main(argv=None):
         launches, allocs = launches_and_allocations(fn)
         lines.append(f"| {name} | {us:.1f} | {launches} | {allocs} |")
         print(lines[-1], flush=True)
+        total_us, total_launches = total_us + us, total_launches + launches
+    lines.append(f"| one sublayer's ops (the rows above) | {total_us:.1f} | {total_launches} | |")
+    if DEVICE == "cuda":  # the floor those launches set (the interpreter launches nothing)
+        lines += launch_floor_rows(total_launches, args.iters)
+        print("\n".join(lines[-2:]), flush=True)
     if args.profile_out:
         prof = cProfile.Profile()
         prof.enable()
