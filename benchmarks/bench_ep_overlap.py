@@ -24,6 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multirank import report_and_finish  # noqa: E402
 
 RUNS = [("baseline", False, False), ("baseline + overlap", False, True),
         ("mHC", True, False), ("mHC + overlap", True, True)]
@@ -98,28 +100,20 @@ def build(args, mhc: bool, overlap: bool):
 def make_step(args, ddp, opt):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from mhc_testing.schedules import mean_loss_forward_step
+
     rank = torch.distributed.get_rank()
     g = torch.Generator(device="cuda").manual_seed(rank)
-    data = [(torch.randint(0, 32768, (1, args.seq), device="cuda", generator=g),
-             torch.arange(args.seq, device="cuda")[None]) for _ in range(args.micro)]
-
-    def forward_step(data_iterator, model, return_schedule_plan=False):
-        ids, pos = next(data_iterator)
-        if return_schedule_plan:
-            out = model.build_schedule_plan(ids, pos, None, labels=ids)
-        else:
-            out = model(ids, pos, None, labels=ids)
-
-        def loss_func(per_token):
-            loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
-        return out, loss_func
+    data = []
+    for _ in range(args.micro):
+        ids = torch.randint(0, 32768, (1, args.seq), device="cuda", generator=g)
+        data.append((ids, torch.arange(args.seq, device="cuda")[None], None, ids))
 
     def step():
         ddp.zero_grad_buffer()
         opt.zero_grad()
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(data), model=ddp,
+            forward_step_func=mean_loss_forward_step, data_iterator=iter(data), model=ddp,
             num_microbatches=args.micro, seq_length=args.seq, micro_batch_size=1,
             forward_only=False)
         opt.step()
@@ -168,14 +162,7 @@ def main(argv=None):
         saves = f"{100 * (1 - ms[name] / ms[plain]):.1f}%" if overlap else "-"
         lines.append(f"| {name} | {ms[name]:.1f} | {tokens / ms[name] * 1e3 / 1e3:.1f}k | "
                      f"{saves} | {ms[name] / ms[base]:.3f}x |")
-    if torch.distributed.get_rank() == 0:
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if args.out:
-            with open(args.out, "w") as fh:
-                fh.write(text + "\n")
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    report_and_finish("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

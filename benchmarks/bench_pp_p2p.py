@@ -34,6 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multirank import report_and_finish  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -160,14 +162,7 @@ def main(argv=None):
         nbytes = 2 * 2 * s * b * n * c
         lines.append(f"| {size} | raw send/recv, n*C | {nbytes / 2**20:.1f} MiB | {raw:.3f} | "
                      f"{nbytes / raw / 1e6:.1f} | (floor) |")
-    table = "\n".join(lines)
-    if torch.distributed.get_rank() == 0:
-        print(table, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(table + "\n")
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    report_and_finish("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

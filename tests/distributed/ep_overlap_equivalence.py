@@ -65,6 +65,8 @@ def _train(cfg, weights: dict | None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
+    from mhc_testing.schedules import mean_loss_forward_step
+
     harness.init_parallel(ep=2)
     model = _model(cfg)
     if weights is None:
@@ -79,18 +81,6 @@ def _train(cfg, weights: dict | None):
                                                  clip_grad=1.0), [ddp])
     rank = torch.distributed.get_rank()
 
-    def forward_step(data_iterator, model, return_schedule_plan=False):
-        ids, pos, mask, labels = next(data_iterator)
-        if return_schedule_plan:
-            out = model.build_schedule_plan(ids, pos, mask, labels=labels)
-        else:
-            out = model(ids, pos, mask, labels=labels)
-
-        def loss_func(per_token):
-            loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
-        return out, loss_func
-
     losses, norms = [], []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
@@ -98,7 +88,7 @@ def _train(cfg, weights: dict | None):
         data = iter([batch(batch_size=2, seed=1000 * step + 10 * mb + rank,
                            device=harness.DEVICE) for mb in range(MICRO)])
         out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=ddp,
+            forward_step_func=mean_loss_forward_step, data_iterator=data, model=ddp,
             num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=2, forward_only=False)
         ok, grad_norm, _ = opt.step()
         assert ok, f"step {step}: the optimizer skipped the step"

@@ -88,20 +88,14 @@ def _run(models, cfg, vp):
     """Megatron's schedule over MICRO micro-batches; the per-micro-batch losses it returns."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from mhc_testing.schedules import mean_loss_forward_step
+
     data = [batch(batch_size=2, seed=40 + i, device=harness.DEVICE) for i in range(MICRO)]
-
-    def forward_step(data_iterator, model):
-        ids, pos, mask, labels = next(data_iterator)
-        out = model(ids, pos, mask, labels=labels)
-
-        def loss_func(per_token):
-            loss = per_token.float().mean()
-            return loss, {"loss": loss.detach()}
-        return out, loss_func
 
     iters = [iter(data) for _ in models] if vp else iter(data)
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iters, model=models if vp else models[0],
+        forward_step_func=mean_loss_forward_step, data_iterator=iters,
+        model=models if vp else models[0],
         num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=2, forward_only=False)
     return [d["loss"] for d in losses]
 
