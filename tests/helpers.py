@@ -207,6 +207,15 @@ def run_child(cmd, env: dict, timeout: int) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def child_result(cmd, env: dict, timeout: int) -> dict:
+    """:func:`run_child`, which must exit 0 and print a line ``RESULT <json>``: the last such
+    line's JSON (the child's output in the assertion message otherwise)."""
+    run = run_child(cmd, env, timeout)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 class Background:
     """A child process started now (:func:`start`) whose output a thread reads as it comes,
     so that several can run at once (an unread pipe would stop a child once it fills).

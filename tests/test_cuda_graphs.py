@@ -15,12 +15,11 @@ record, memory pool and stream of Megatron's local graphs are process-global.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 import torch
-from helpers import HAVE_TE, ROOT, child_env, run_child
+from helpers import HAVE_TE, ROOT, child_env, child_result
 
 WITHOUT_TE = ROOT / "tests/gpu_child/without_te.py"
 needs_te_graphs = pytest.mark.skipif(
@@ -38,10 +37,7 @@ def _run_case(mhc: bool, kind: str, hide_te: bool, dtype: str = "bf16",
     cmd = [sys.executable, *([str(WITHOUT_TE)] if hide_te else []), *child,
            "--mhc", str(int(mhc)), "--kind", kind, "--steps", str(STEPS),
            "--layers", str(LAYERS), "--dtype", dtype, "--model", model]
-    run = run_child(cmd, child_env(), timeout=600)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stdout[-6000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = child_result(cmd, child_env(), timeout=600)
     print(f"\n[cuda graphs] {model} mhc={mhc} {kind} {dtype} "
           f"TE {'hidden' if hide_te else 'visible'}: "
           f"losses eager {result['loss_eager']} graph {result['loss_graph']}; "
