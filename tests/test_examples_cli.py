@@ -65,3 +65,12 @@ def test_demo_plot_title_names_the_mapping_storage():
     assert label(SimpleNamespace(mhc_params="params", precision="bf16")) == \
         "mHC mappings in bf16 (params dtype)"
     assert "params params" not in label(SimpleNamespace(mhc_params="params", precision="fp32"))
+
+
+@pytest.mark.parametrize("script", ["examples/generate_mhc.py", "benchmarks/bench_ep_overlap.py",
+                                    "benchmarks/bench_inference.py"])
+def test_gpu_scripts_parse_their_arguments_on_cpu(script):
+    """The GPU-only scripts import and print their usage on a machine without CUDA."""
+    proc = run_child([sys.executable, str(ROOT / script), "--help"], _quiet_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.startswith("usage: "), proc.stdout[:2000]
