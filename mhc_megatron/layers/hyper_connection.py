@@ -60,7 +60,13 @@ class MappingParameters(MegatronModule):
     sequence parallelism each TP rank sees other tokens, and ``finalize_model_grads`` sums
     their gradients over the TP group). Stored in ``params_dtype``, or in
     ``config.mhc_params_dtype`` when that is set, kept through model-wide dtype casts
-    (:meth:`_apply`)."""
+    (:meth:`_apply`).
+
+    ``tensor_model_parallel = False``: Megatron-FSDP's module registry reads it to classify
+    the parameters as replicated over tensor parallelism (it knows Megatron's own module
+    types by name)."""
+
+    tensor_model_parallel = False
 
     def __init__(self, config, hidden_size: int | None, rows: int, alphas: int):
         super().__init__(config=config)
