@@ -112,12 +112,14 @@ def test_expert_parallel_overlap_matches_plain_schedule(setup):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("setup", SETUPS)
-def test_fully_sharded_data_parallel_matches_ddp(setup):
+def test_fully_sharded_data_parallel_matches_ddp(setup, tmp_path):
     """torch FSDP2 through Megatron's ``TorchFullyShardedDataParallel`` (and on GPUs
     Megatron-FSDP, ``optim_grads_params`` and ``optim_grads``) at DP=2 == Megatron's DDP at
     DP=2: every step's loss and grad norm over 3 Adam steps (fp32; on GPUs also bf16), the mHC
-    parameters sharded (DTensors) and updated; the baseline's differences beside."""
-    out = _torchrun("fsdp_equivalence.py", setup)
+    parameters sharded (DTensors) and updated; the baseline's differences beside. An FSDP2
+    checkpoint (torch DCP) loads into a plain model to the same logits, bit for bit."""
+    out = _torchrun("fsdp_equivalence.py", setup, str(tmp_path))
+    _expect(out, ["fsdp2 checkpoint -> plain model "])
     if setup == "cpu":
         _expect(out, ["fsdp2 dp=2 bf16=False "])
     else:

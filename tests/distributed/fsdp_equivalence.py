@@ -15,10 +15,14 @@ is printed, not bounded: Adam turns the rounding noise of a near-zero gradient i
 step (the mHC mapping biases have such entries; the baseline's attention biases too, less
 so). The baseline (mHC off) runs the same comparison; its differences are printed beside
 mHC's. fp32 on CPU ranks; on GPUs also bf16. Megatron-FSDP is CUDA-only (it places its
-buffers on the current CUDA device).
+buffers on the current CUDA device). Last, a checkpoint: an mHC model trained under FSDP2 and
+saved with torch's distributed checkpoint loads into a plain model to the same logits.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
@@ -28,27 +32,23 @@ from helpers import batch, lm_loss
 STEPS = 3
 
 
-def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
-    """STEPS steps; (losses on this rank, grad norms, initial weights, final mHC parameters
-    as full tensors, whether they were sharded)."""
+def _config(mhc: bool, bf16: bool):
+    # Megatron's FSDP2 wrapper shards TE's linear modules on their own only with TE specs
+    impl = "transformer_engine" if harness.USE_TE else "local"
+    extra = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
+    return harness.config(enable_hyper_connections=mhc, transformer_impl=impl, **extra)
+
+
+def _wrap(wrapper: str, cfg, model, bf16: bool):
+    """``model`` in ``wrapper`` ("ddp", "fsdp2", "megatron_fsdp_<strategy>") and Megatron's
+    Adam for it: ``(wrapped, optimizer)``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
         TorchFullyShardedDataParallel,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-    from torch.distributed.tensor import DTensor
 
-    # Megatron's FSDP2 wrapper shards TE's linear modules on their own only with TE specs
-    impl = "transformer_engine" if harness.USE_TE else "local"
-    extra = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
-    cfg = harness.config(enable_hyper_connections=mhc, transformer_impl=impl, **extra)
-    model = harness.model(cfg)
-    if weights is None:
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
     if bf16:
         model = Float16Module(cfg, model)
     megatron_fsdp = wrapper.startswith("megatron_fsdp_")
@@ -67,18 +67,36 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
                                                  clip_grad=1.0,
                                                  use_distributed_optimizer=megatron_fsdp),
                                  [wrapped])
+    return wrapped, opt
+
+
+def _step(wrapped, opt, step: int) -> tuple[float, float]:
+    """One optimizer step on this rank's batch: (loss, grad norm)."""
+    wrapped.zero_grad_buffer()
+    opt.zero_grad()
     rank = torch.distributed.get_rank()
-    losses, norms = [], []
-    for step in range(STEPS):
-        wrapped.zero_grad_buffer()
-        opt.zero_grad()
-        loss = lm_loss(wrapped, batch(seed=100 * step + rank, device=harness.DEVICE))
-        loss.backward()
-        wrapped.finish_grad_sync()
-        ok, grad_norm, _ = opt.step()
-        assert ok, f"{wrapper} step {step}: the optimizer skipped the step"
-        losses.append(loss.item())
-        norms.append(float(grad_norm))
+    loss = lm_loss(wrapped, batch(seed=100 * step + rank, device=harness.DEVICE))
+    loss.backward()
+    wrapped.finish_grad_sync()
+    ok, grad_norm, _ = opt.step()
+    assert ok, f"step {step}: the optimizer skipped the step"
+    return loss.item(), float(grad_norm)
+
+
+def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
+    """STEPS steps; (losses on this rank, grad norms, initial weights, final parameters as
+    full tensors, whether each mHC parameter was sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = _config(mhc, bf16)
+    model = harness.model(cfg)
+    if weights is None:
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    wrapped, opt = _wrap(wrapper, cfg, model, bf16)
+    losses, norms = zip(*(_step(wrapped, opt, step) for step in range(STEPS)))
     params, sharded = {}, []
     for n, p in wrapped.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -86,7 +104,39 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
                if "decoder" in n else n.split("module.")[-1]] = full.detach().float().clone()
         if "hyper_connection" in n:
             sharded.append(isinstance(p, DTensor))
-    return losses, norms, weights, params, sharded
+    return list(losses), list(norms), weights, params, sharded
+
+
+def check_checkpoint(root: str) -> None:
+    """An mHC model trained a step under FSDP2 and saved with torch's distributed checkpoint
+    (its sharded DTensor state dict, as Megatron's ``torch_dcp`` format saves it) loads into
+    a plain, unsharded model of another initialisation: the same logits, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = _config(True, False)
+    model = harness.model(cfg)
+    wrapped, opt = _wrap("fsdp2", cfg, model, False)
+    _step(wrapped, opt, 0)
+    path = os.path.join(root, "fsdp2_dcp")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    ids, pos, mask, _ = batch(seed=7, device=harness.DEVICE)
+    with torch.no_grad():
+        sharded_logits = wrapped(ids, pos, mask)
+    harness.init_parallel(seed=99)  # another initialisation for the plain model
+    plain = harness.model(cfg)
+    with torch.no_grad():
+        assert not torch.equal(plain(ids, pos, mask), sharded_logits)  # before the load
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        plain_logits = plain(ids, pos, mask)
+    assert torch.equal(sharded_logits, plain_logits), \
+        harness.relative_error(plain_logits, sharded_logits)
+    n_mhc = sum("hyper_connection" in k for k in state)
+    assert n_mhc == 6 * cfg.num_layers, n_mhc
+    print(f"PASS rank={torch.distributed.get_rank()} fsdp2 checkpoint -> plain model "
+          f"{harness.describe()} logits bitwise, mhc_tensors={n_mhc}", flush=True)
 
 
 def _max_rel(a: list, b: list) -> float:
@@ -128,6 +178,7 @@ WRAPPERS = ("fsdp2", "megatron_fsdp_optim_grads_params", "megatron_fsdp_optim_gr
 
 
 def main():
+    """``argv[1]``: a directory for the checkpoint check (the same on both ranks)."""
     harness.init(cuda_to_cpu=True)
     # once: FSDP2's device mesh keeps the data-parallel group it was built from, which a
     # rebuilt parallel state would replace (the weights are copied between the runs anyway)
@@ -136,6 +187,7 @@ def main():
     for wrapper in WRAPPERS if cuda else WRAPPERS[:1]:
         for bf16 in (False, True) if cuda else (False,):
             check(wrapper, bf16)
+    check_checkpoint(sys.argv[1])
 
 
 if __name__ == "__main__":
