@@ -492,11 +492,13 @@ def pretrain_cmd(corpus: str, flags, device: str) -> list[str]:
 
 
 def pretrain(corpus: str, *flags, nproc=1, device="cpu", timeout=600,
-             wrapper=None) -> PretrainRun:
+             wrapper=None, env=None) -> PretrainRun:
     """A run of the example (:func:`run_ranks`); ``wrapper``: a script that runs the
-    example script given as its first argument (e.g. tests/gpu_child/without_te.py)."""
+    example script given as its first argument (e.g. tests/gpu_child/without_te.py);
+    ``env``: environment variables to set or override."""
     example = [*([str(wrapper)] if wrapper else []), *pretrain_cmd(corpus, flags, device)]
-    return PretrainRun(run_ranks(nproc, *example, env=child_env(cpu_only=device == "cpu"),
+    return PretrainRun(run_ranks(nproc, *example,
+                                 env=child_env(cpu_only=device == "cpu", **(env or {})),
                                  timeout=timeout))
 
 
