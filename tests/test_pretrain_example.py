@@ -234,7 +234,7 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
 
 
 @needs_2_gpus
-def test_megatron_fsdp_trains_and_resumes(corpus, tmp_path):
+def test_megatron_fsdp_trains_and_resumes_gpu(corpus, tmp_path):
     """``--use-megatron-fsdp`` (``optim_grads_params``) at DP=2 on 2 GPUs: every iteration's
     loss equals the single-GPU run's (rtol 1e-5); saved at iteration 3 (``fsdp_dtensor``) and
     resumed, iterations 3 and 6 continue the uninterrupted run (Megatron logs a process's first
