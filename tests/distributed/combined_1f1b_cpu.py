@@ -1,7 +1,7 @@
 """Megatron's combined 1F1B schedule (the MoE EP-overlap schedule) on one CPU rank: mHC models
 trained through it equal the same models through the plain schedule, bit for bit.
 
-Run: MHC_DIST_DEVICE=cpu python tests/distributed/fork_ranks.py 1 tests/distributed/combined_1f1b_cpu.py
+Run: MHC_DIST_DEVICE=cpu torchrun --nproc-per-node=1 tests/distributed/combined_1f1b_cpu.py
 
 Megatron's no-pipelining schedule with ``overlap_moe_expert_parallel_comm`` builds each
 micro-batch's model schedule plan and runs micro-batch i+1's forward interleaved with
