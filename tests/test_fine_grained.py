@@ -231,18 +231,22 @@ def test_model_schedule_plan_equals_the_model(kind, monkeypatch):
             assert torch.equal(grads[n], grads2[n]), n
 
 
-def test_combined_1f1b_schedule_equals_the_plain_schedule():
-    """Megatron's combined 1F1B schedule itself (its no-pipelining form, 4 micro-batches) with
-    mHC models, MoE, dense-then-MoE and with an MTP depth, and the baselines: every loss and
-    gradient equals the plain schedule's (one CPU rank, stand-ins for CUDA's streams and
-    events: tests/distributed/combined_1f1b_cpu.py)."""
+def test_combined_1f1b_schedules_equal_the_plain_schedules():
+    """Megatron's combined 1F1B schedules themselves, 4 micro-batches, with mHC models and the
+    baselines: without pipelining (MoE, dense then MoE, with an MTP depth) and interleaved
+    at PP=2 x 2 virtual stages (MoE): every loss and gradient equals the plain schedule's
+    (two CPU ranks, stand-ins for CUDA's streams and events:
+    tests/distributed/combined_1f1b_cpu.py)."""
     import os
 
     from helpers import child_env, run_ranks
 
     script = os.path.join(os.path.dirname(__file__), "distributed", "combined_1f1b_cpu.py")
-    run = run_ranks(1, script, env=child_env(cpu_only=True, MHC_DIST_DEVICE="cpu"), timeout=600)
+    run = run_ranks(2, script, env=child_env(cpu_only=True, MHC_DIST_DEVICE="cpu"), timeout=600)
     assert run.returncode == 0, run.stdout[-6000:]
-    for kind in ("moe", "mix", "mtp"):
-        for mhc in (True, False):
-            assert f"PASS combined_1f1b kind={kind} mhc={mhc} " in run.stdout, run.stdout[-3000:]
+    expected = [f"combined_1f1b kind={kind} mhc={mhc} " for kind in ("moe", "mix", "mtp")
+                for mhc in (True, False)]
+    expected += [f"combined_1f1b pp=2 vp=2 kind=moe mhc={mhc} " for mhc in (True, False)]
+    for rank in (0, 1):
+        for line in expected:
+            assert f"PASS rank={rank} {line}" in run.stdout, (line, run.stdout[-3000:])

@@ -84,8 +84,10 @@ def _global(name: str, offset: int) -> str:
     return LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
-def _run(models, cfg, vp):
-    """Megatron's schedule over MICRO micro-batches; the per-micro-batch losses it returns."""
+def _run(models, cfg, vp, forward_step=None):
+    """Megatron's schedule over MICRO micro-batches; the per-micro-batch losses it returns.
+    ``forward_step``: the schedule's ``forward_step_func`` (default
+    :func:`~mhc_testing.schedules.mean_loss_forward_step`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mhc_testing.schedules import mean_loss_forward_step
@@ -94,7 +96,7 @@ def _run(models, cfg, vp):
 
     iters = [iter(data) for _ in models] if vp else iter(data)
     losses = get_forward_backward_func()(
-        forward_step_func=mean_loss_forward_step, data_iterator=iters,
+        forward_step_func=forward_step or mean_loss_forward_step, data_iterator=iters,
         model=models if vp else models[0],
         num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=2, forward_only=False)
     return [d["loss"] for d in losses]
