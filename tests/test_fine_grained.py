@@ -136,14 +136,6 @@ def test_layer_nodes_equal_the_layer(kind, layer_index, micro_batches):
     _assert_same(eager, _scheduled(model, layer, batches, mask, rope))
 
 
-def test_mhc_recompute_is_refused():
-    from mhc_megatron.layers.fine_grained import build_mhc_layer_callables
-
-    model = build_gpt(tiny_config(**moe_overrides(), mhc_recompute=True))
-    with pytest.raises(ValueError, match="mhc_recompute with overlap_moe_expert_parallel_comm"):
-        build_mhc_layer_callables(model.decoder.layers[1])
-
-
 def test_install_routes_mhc_layers_only():
     """After :func:`install` Megatron's ``build_layer_callables`` builds an mHC MoE layer's
     nodes with ours and leaves a layer with mHC off to Megatron's builder."""

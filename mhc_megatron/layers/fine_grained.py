@@ -49,33 +49,20 @@ def build_mhc_layer_callables(layer):
     """``(forward_funcs, backward_dw)`` of an mHC layer for Megatron's fine-grained schedule,
     as ``build_transformer_layer_callables`` returns them (five forward callables, the
     delayed weight-gradient callables by node name). Dense MLP layers and layers with mHC
-    off get Megatron's callables unchanged."""
+    off get Megatron's callables unchanged. What the schedule does not support with mHC
+    (``mhc_recompute``, whose blocks need the layer's ``forward``; offloading the MLP's input
+    streams; a dense last layer) the config refuses together with
+    ``overlap_moe_expert_parallel_comm``."""
     from megatron.core.models.gpt.fine_grained_callables import build_transformer_layer_callables
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     forward_funcs, backward_dw = build_transformer_layer_callables(layer)
     if not getattr(layer, "mhc_enabled", False) or not isinstance(layer.mlp, MoELayer):
         return forward_funcs, backward_dw
-    _refuse_unsupported(layer)
     forward_funcs = list(forward_funcs)
     forward_funcs[0] = functools.partial(_pre_dispatch, layer)
     forward_funcs[3] = functools.partial(_combine, layer)
     return forward_funcs, backward_dw
-
-
-def _refuse_unsupported(layer) -> None:
-    config = layer.config
-    if getattr(config, "mhc_recompute", False):
-        raise ValueError(
-            "mhc_recompute with overlap_moe_expert_parallel_comm: the fine-grained schedule "
-            "runs a layer as separate nodes with their own autograd graphs, and mhc_recompute's "
-            "blocks replay whole layers. Fix: set mhc_recompute=False, or "
-            "overlap_moe_expert_parallel_comm=False.")
-    if layer.mlp_bda.offload_group is not None:
-        raise ValueError(
-            "fine-grained activation offloading of 'mlp_norm' with "
-            "overlap_moe_expert_parallel_comm is not supported for mHC layers. Fix: drop "
-            "'mlp_norm' from offload_modules, or set overlap_moe_expert_parallel_comm=False.")
 
 
 def _pre_dispatch(layer, node, hidden_states: Tensor):
