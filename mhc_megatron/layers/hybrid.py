@@ -46,6 +46,7 @@ from mhc_megatron.layers.transformer_layer import (
     HyperConnectionTransformerLayer,
     _StreamCombine,
     recompute_scope,
+    refuse_pipelined_inference,
     require_mhc_config,
     run_sublayer,
     streams_in,
@@ -107,6 +108,7 @@ class HyperConnectionMambaLayer(MambaLayer):
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if not self.mhc_enabled:
             return super().forward(hidden_states, *args, **kwargs)
+        refuse_pipelined_inference(self.config, kwargs)
         streams = streams_in(hidden_states, self.n, self.config.hidden_size,
                              expands=self.layer_number == 1)
         with recompute_scope(self):

@@ -196,6 +196,8 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         """Megatron's forward; with ``mhc_recompute`` inside this layer's recompute block."""
+        if self.mhc_enabled:
+            refuse_pipelined_inference(self.config, kwargs)
         with recompute_scope(self):
             return super().forward(*args, **kwargs)
 
@@ -257,6 +259,21 @@ def require_mhc_config(config) -> None:
             f"enable_hyper_connections needs an mhc_megatron MHCTransformerConfig, got "
             f"{type(config).__name__}. Fix: build the config with "
             "mhc_megatron.config.MHCTransformerConfig (or MHCMLATransformerConfig).")
+
+
+def refuse_pipelined_inference(config, kwargs: dict) -> None:
+    """Megatron's inference wrappers size a pipeline stage's receive buffer
+    ``[s, b, hidden_size]`` while an mHC layer hands on ``[s, b, n*C]``: a forward with an
+    inference context (``kwargs``, a layer's call) under pipeline parallelism is refused."""
+    if config.pipeline_model_parallel_size > 1 and (
+            kwargs.get("inference_context") is not None
+            or kwargs.get("inference_params") is not None):
+        raise ValueError(
+            "mHC inference with pipeline_model_parallel_size="
+            f"{config.pipeline_model_parallel_size}: Megatron's inference wrappers size the "
+            "stage boundary's receive buffer [s, b, hidden_size], and an mHC model sends its "
+            f"{config.num_residual_streams} streams [s, b, n*hidden_size]. Fix: run inference "
+            "with pipeline_model_parallel_size=1.")
 
 
 def recompute_scope(layer):
