@@ -120,8 +120,9 @@ class _StreamCombine:
             raise RuntimeError(
                 "mHC combine called outside HyperConnectionTransformerLayer._forward_attention/"
                 "_forward_mlp; a Megatron code path bypassed the mHC hooks. Fix: turn off the "
-                "feature that runs the sublayers on its own (CUDA graphs, the MoE EP-overlap "
-                "schedule, fused inference paths; the config refuses the known ones) and "
+                "feature that runs the sublayers on its own (partial CUDA-graph scopes, fused "
+                "inference paths; the config refuses the known ones; the MoE EP-overlap "
+                "schedule runs mHC layers through mhc_megatron.layers.fine_grained) and "
                 "report the Megatron code path."
             )
         streams, mappings, offload = self._armed
