@@ -180,8 +180,9 @@ def shape_of(name: str, args) -> dict:
 
 
 def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bool = False,
-          ddp: bool = False):
-    """The GPT of one run: bf16, RMSNorm, RoPE, SwiGLU, no biases; MoE where ``experts``.
+          ddp: bool = False, overrides: dict | None = None):
+    """The GPT of one run: bf16, RMSNorm, RoPE, SwiGLU, no biases; MoE where ``experts``;
+    ``overrides``: more config fields (e.g. expert parallelism, the EP-overlap schedule).
     ``graphs``: Megatron's local per-layer CUDA graphs; ``ddp``: inside Megatron's DDP (the
     graphs' backward accumulates into its fp32 main grads, so graphs need it)."""
     from megatron.core import tensor_parallel
@@ -215,7 +216,7 @@ def build(shape: dict, spec: str, mhc: bool, recompute: bool, device, graphs: bo
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.bfloat16, bf16=True, enable_hyper_connections=mhc,
         num_residual_streams=N, mhc_recompute=recompute,
-        cuda_graph_impl="local" if graphs else "none", **moe)
+        cuda_graph_impl="local" if graphs else "none", **moe, **(overrides or {}))
     te = spec == "te"
     make_spec = get_gpt_decoder_block_with_mhc_spec if mhc else get_gpt_decoder_block_spec
     block = make_spec(config, use_transformer_engine=te, normalization="RMSNorm")

@@ -4,8 +4,8 @@
         [--hidden 2048] [--experts 16] [--topk 4] [--moe-ffn 1024] [--seq 4096]
         [--micro 8] [--steps 10] [--rounds 3] [--out table.md]
 
-A DeepSeek-like MoE GPT (every layer MoE, top-k routing, a shared expert; TE's grouped GEMM
-with ``--spec te``), bf16, expert parallelism over all ranks (alltoall dispatcher), Megatron's
+A DeepSeek-like MoE GPT (``bench_e2e.build``'s: every layer MoE, top-k routing, a shared
+expert; TE's grouped GEMM with ``--spec te``), bf16, expert parallelism over all ranks (alltoall dispatcher), Megatron's
 DDP and Adam, ``--micro`` micro-batches a step through Megatron's no-pipelining schedule. Four
 runs, all built up front and timed in alternating rounds (``--rounds`` x ``--steps`` steps,
 median): baseline and mHC n=4, each plain and with ``overlap_moe_expert_parallel_comm`` (the
@@ -44,57 +44,28 @@ def parse_args(argv=None):
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--streams", type=int, default=4)
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
 
-def _config(args, mhc: bool, overlap: bool):
-    from mhc_megatron.config import MHCTransformerConfig
-
-    world = torch.distributed.get_world_size()
-    return MHCTransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts,
-        moe_router_topk=args.topk, moe_ffn_hidden_size=args.moe_ffn,
-        moe_shared_expert_intermediate_size=args.moe_ffn, moe_grouped_gemm=args.spec == "te",
-        moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", moe_aux_loss_coeff=1e-3,
-        expert_model_parallel_size=world, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, enable_hyper_connections=mhc,
-        num_residual_streams=args.streams, overlap_moe_expert_parallel_comm=overlap)
-
-
 def build(args, mhc: bool, overlap: bool):
-    """(DDP model, optimizer, config) of one run; the same initial weights for every run."""
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """(DDP model, optimizer) of one run: ``bench_e2e``'s GPT, every layer MoE, expert
+    parallelism over all ranks; the same initial weights for every run."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
 
-    from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+    from bench_e2e import build as build_gpt
 
-    torch.manual_seed(1234)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    cfg = _config(args, mhc, overlap)
-    spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=args.spec == "te",
-                                               normalization="RMSNorm")
-    if args.spec == "local":
-        from mhc_testing.attention import SDPACoreAttention
-
-        for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    model = GPTModel(cfg, spec, vocab_size=32768, max_sequence_length=args.seq,
-                     position_embedding_type="rope").cuda()
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False), Float16Module(cfg, model))
+    shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, mbs=1,
+                 vocab=32768, experts=args.experts, topk=args.topk, ffn=args.moe_ffn,
+                 shared=args.moe_ffn)
+    ddp, cfg = build_gpt(shape, args.spec, mhc, False, "cuda", ddp=True, overrides=dict(
+        expert_model_parallel_size=torch.distributed.get_world_size(),
+        overlap_moe_expert_parallel_comm=overlap))
     cfg.finalize_model_grads_func = finalize_model_grads
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True,
                                                  clip_grad=1.0), [ddp])
-    return ddp, opt, cfg
+    return ddp, opt
 
 
 def make_step(args, ddp, opt):
@@ -131,7 +102,7 @@ def main(argv=None):
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     runs = {}
     for name, mhc, overlap in RUNS:
-        ddp, opt, _ = build(args, mhc, overlap)
+        ddp, opt = build(args, mhc, overlap)
         runs[name] = make_step(args, ddp, opt)
     times = {name: [] for name in runs}
     for name, step in runs.items():  # warm-up: compile, allocate

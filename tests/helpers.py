@@ -18,7 +18,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from mhc_megatron.config import MHCTransformerConfig
-from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec, get_gpt_mtp_block_with_mhc_spec
 
 VOCAB = 64
 SEQ = 16
@@ -88,9 +88,13 @@ def single_grouped_expert_overrides() -> dict:
 
 
 def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:
+    """The tests' mHC GPT of ``config`` (vocabulary ``VOCAB``, ``SEQ`` positions, RoPE): the
+    decoder block ``spec`` (default: ours, TE's modules with ``te``) and, where
+    ``config.mtp_num_layers``, its multi-token-prediction block."""
     spec = spec or get_gpt_decoder_block_with_mhc_spec(config, use_transformer_engine=te)
+    mtp = get_gpt_mtp_block_with_mhc_spec(config, spec, te) if config.mtp_num_layers else None
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     position_embedding_type="rope")
+                     position_embedding_type="rope", mtp_block_spec=mtp)
     return model.to(device) if device is not None else model
 
 

@@ -13,12 +13,11 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from helpers import SEQ, VOCAB, moe_overrides, tiny_config
+from helpers import SEQ, VOCAB, build_gpt, moe_overrides, tiny_config
 from mhc_megatron.checkpoint import gpt_hybrid_layer_pattern, gpt_to_hybrid_state_dict
 from mhc_megatron.config import MHCMLATransformerConfig
 from mhc_megatron.specs import (
     get_gpt_decoder_block_with_mhc_spec,
-    get_gpt_mtp_block_with_mhc_spec,
     get_hybrid_stack_with_mhc_spec,
 )
 from mhc_testing.attention import SDPACoreAttention
@@ -59,12 +58,11 @@ def _sdpa_for_local_mla(layer_specs) -> None:
 
 
 def build_gpt_model(cfg, device, te: bool = False) -> GPTModel:
+    """:func:`helpers.build_gpt`, with MLA's core attention on SDPA for local specs."""
     block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=te)
-    mtp = get_gpt_mtp_block_with_mhc_spec(cfg, block, te) if cfg.mtp_num_layers else None
     if cfg.multi_latent_attention and not te:
         _sdpa_for_local_mla(block.layer_specs)
-    return GPTModel(cfg, block, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope", mtp_block_spec=mtp).to(device)
+    return build_gpt(cfg, device, block, te)
 
 
 def build_hybrid_model(cfg, device, pattern: str, te: bool = False, spec=None) -> HybridModel:

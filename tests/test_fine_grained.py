@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SEQ, VOCAB, batch, build_gpt, moe_overrides, tiny_config
+from helpers import SEQ, batch, build_gpt, moe_overrides, tiny_config
 
 pytestmark = pytest.mark.usefixtures("seeded")
 
@@ -158,23 +158,12 @@ def _gpt(kind: str):
     """A 2-layer mHC GPT: MoE layers, a dense then a MoE layer (the schedule applies the final
     norm after a MoE last layer only: the config refuses a dense one), or MoE layers with one
     MTP depth."""
-    from megatron.core.models.gpt import GPTModel
-
-    from mhc_megatron.specs import (
-        get_gpt_decoder_block_with_mhc_spec,
-        get_gpt_mtp_block_with_mhc_spec,
-    )
-
     extra = dict(moe_overrides())
     if kind == "mix":
         extra["moe_layer_freq"] = [0, 1]
     if kind == "mtp":
         extra["mtp_num_layers"] = 1
-    cfg = tiny_config(**extra)
-    block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
-    mtp = get_gpt_mtp_block_with_mhc_spec(cfg, block, False) if cfg.mtp_num_layers else None
-    return GPTModel(cfg, block, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope", mtp_block_spec=mtp)
+    return build_gpt(tiny_config(**extra))
 
 
 @pytest.mark.usefixtures("cpu_nodes")

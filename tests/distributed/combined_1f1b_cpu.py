@@ -24,7 +24,7 @@ from __future__ import annotations
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
 
-from helpers import batch, moe_overrides
+from helpers import batch, build_gpt, moe_overrides
 
 MICRO = 4
 
@@ -65,21 +65,6 @@ def _config(kind: str, mhc: bool):
     return harness.config(enable_hyper_connections=mhc, **extra)
 
 
-def _model(cfg):
-    from megatron.core.models.gpt import GPTModel
-
-    from helpers import SEQ, VOCAB
-    from mhc_megatron.specs import (
-        get_gpt_decoder_block_with_mhc_spec,
-        get_gpt_mtp_block_with_mhc_spec,
-    )
-
-    spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
-    mtp = get_gpt_mtp_block_with_mhc_spec(cfg, spec, False) if cfg.mtp_num_layers else None
-    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope", mtp_block_spec=mtp)
-
-
 def _plans_counted(counter: list):
     """:func:`mean_loss_forward_step`, counting the schedule plans it builds."""
     from mhc_testing.schedules import mean_loss_forward_step
@@ -100,7 +85,7 @@ def _run(kind: str, mhc: bool, overlap: bool):
 
     harness.init_parallel()  # the same seed: the same initial weights in both runs
     cfg = _config(kind, mhc)
-    model = _model(cfg)
+    model = build_gpt(cfg)
     cfg.overlap_moe_expert_parallel_comm = overlap  # after validation (see the docstring)
     data = iter([batch(batch_size=2, seed=10 + i) for i in range(MICRO)])
     plans = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import harness  # noqa: F401  (first)
 import torch
 
-from helpers import SEQ, VOCAB, batch, moe_overrides
+from helpers import SEQ, batch, build_gpt, moe_overrides
 
 STEPS, MICRO, LAYERS = 3, 4, 4
 # bf16 noise floor for a relative difference of a loss or a grad norm between two schedules
@@ -42,21 +42,6 @@ def _config(overlap: bool, mhc: bool, kind: str):
     return harness.config(num_layers=LAYERS, **extra)
 
 
-def _model(cfg):
-    from megatron.core.models.gpt import GPTModel
-
-    from mhc_megatron.specs import (
-        get_gpt_decoder_block_with_mhc_spec,
-        get_gpt_mtp_block_with_mhc_spec,
-    )
-
-    spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=harness.USE_TE)
-    mtp = (get_gpt_mtp_block_with_mhc_spec(cfg, spec, harness.USE_TE)
-           if cfg.mtp_num_layers else None)
-    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope", mtp_block_spec=mtp).to(harness.DEVICE)
-
-
 def _train(cfg, weights: dict | None):
     """STEPS steps; (per-micro-batch losses, per-step grad norms, the initial weights)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -68,7 +53,7 @@ def _train(cfg, weights: dict | None):
     from mhc_testing.schedules import mean_loss_forward_step
 
     harness.init_parallel(ep=2)
-    model = _model(cfg)
+    model = build_gpt(cfg, harness.DEVICE, te=harness.USE_TE)
     if weights is None:
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
