@@ -100,11 +100,18 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
     params, sharded = {}, []
     for n, p in wrapped.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        params[n[n.index("embedding"):] if "embedding" in n else n[n.index("decoder"):]
-               if "decoder" in n else n.split("module.")[-1]] = full.detach().float().clone()
+        params[_unwrapped(n)] = full.detach().float().clone()
         if "hyper_connection" in n:
             sharded.append(isinstance(p, DTensor))
     return list(losses), list(norms), weights, params, sharded
+
+
+def _unwrapped(name: str) -> str:
+    """A wrapped model's parameter name as the model itself names it (the wrappers'
+    ``module.`` prefixes off)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
 
 
 def check_checkpoint(root: str) -> None:
@@ -155,8 +162,7 @@ def compare(wrapper: str, mhc: bool, bf16: bool) -> dict:
     if mhc:
         if wrapper in ("fsdp2", "megatron_fsdp_optim_grads_params"):
             assert sharded and all(sharded), f"mHC parameters not sharded by {wrapper}"
-        initial = {n[n.index("decoder"):]: w.float() for n, w in weights.items()
-                   if "hyper_connection" in n}
+        initial = {n: w.float() for n, w in weights.items() if "hyper_connection" in n}
         assert len(initial) == len(sharded)
         for n, w in initial.items():
             assert not torch.equal(params2[n], w), f"{n} was not updated"
