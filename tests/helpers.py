@@ -76,15 +76,24 @@ def moe_overrides() -> dict:
 
 def single_grouped_expert_overrides() -> dict:
     """Config overrides for Megatron-Core 0.19.2's single grouped expert weight
-    (``moe_single_grouped_weight``: the local experts' weights as one TE parameter). It needs
-    TE's op fuser, which Megatron enables for squared-ReLU experts with its fused weighted
-    activation, or for SwiGLU only with TE's CuTe DSL kernels (``NVTE_CUTEDSL_FUSED_GROUPED_MLP``);
-    the squared-ReLU form runs on any CUDA GPU. TE specs only."""
+    (``moe_single_grouped_weight``: the local experts' weights as one TE parameter, a
+    ``GroupedTensor`` of shape ``[local experts, out, in]``). TE specs only. What it takes:
+
+    - TE's op fuser, which Megatron enables for squared-ReLU experts with its fused weighted
+      activation, or for SwiGLU only with TE's CuTe DSL kernels
+      (``NVTE_CUTEDSL_FUSED_GROUPED_MLP``); the squared-ReLU form runs on any CUDA GPU;
+    - bf16 (or fp16) compute: TE 2.20 runs single grouped parameters only on its grouped-tensor
+      GEMM path, which has no fp32 form;
+    - TE's opt-in variable ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1``, without which TE 2.20 builds
+      per-expert weights after a warning. This sets it in the calling process (before the model
+      is built)."""
     from megatron.core.activations import squared_relu
 
+    os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"] = "1"
     return dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
                 use_transformer_engine_op_fuser=True, activation_func=squared_relu,
-                gated_linear_unit=False, use_fused_weighted_squared_relu=True)
+                gated_linear_unit=False, use_fused_weighted_squared_relu=True,
+                bf16=True, params_dtype=torch.bfloat16)
 
 
 def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:
@@ -488,19 +497,22 @@ class PretrainRun:
         return self
 
 
-def pretrain_cmd(corpus: str, flags, device: str) -> list[str]:
-    """The example's command line: the tiny GPT, the schedule, the device's backend, then
-    ``flags`` (which may override any of them)."""
-    return [str(PRETRAIN_EXAMPLE), *TINY_GPT_FLAGS, *PRETRAIN_TRAIN_FLAGS, "--data-path", corpus,
-            *PRETRAIN_BACKEND[device], *SAME_INIT[device], *flags]
+def pretrain_cmd(corpus: str, flags, device: str, model=None) -> list[str]:
+    """The example's command line: the tiny GPT (``model``, default ``TINY_GPT_FLAGS``), the
+    schedule, the device's backend, then ``flags`` (which may override any of them)."""
+    return [str(PRETRAIN_EXAMPLE), *(TINY_GPT_FLAGS if model is None else model),
+            *PRETRAIN_TRAIN_FLAGS, "--data-path", corpus, *PRETRAIN_BACKEND[device],
+            *SAME_INIT[device], *flags]
 
 
 def pretrain(corpus: str, *flags, nproc=1, device="cpu", timeout=600,
-             wrapper=None, env=None) -> PretrainRun:
+             wrapper=None, env=None, model=None) -> PretrainRun:
     """A run of the example (:func:`run_ranks`); ``wrapper``: a script that runs the
     example script given as its first argument (e.g. tests/gpu_child/without_te.py);
-    ``env``: environment variables to set or override."""
-    example = [*([str(wrapper)] if wrapper else []), *pretrain_cmd(corpus, flags, device)]
+    ``env``: environment variables to set or override; ``model``: the model's flags
+    (default ``TINY_GPT_FLAGS``)."""
+    example = [*([str(wrapper)] if wrapper else []),
+               *pretrain_cmd(corpus, flags, device, model)]
     return PretrainRun(run_ranks(nproc, *example,
                                  env=child_env(cpu_only=device == "cpu", **(env or {})),
                                  timeout=timeout))

@@ -97,13 +97,25 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
             p.copy_(weights[n])
     wrapped, opt = _wrap(wrapper, cfg, model, bf16)
     losses, norms = zip(*(_step(wrapped, opt, step) for step in range(STEPS)))
-    params, sharded = {}, []
+    params = {}
     for n, p in wrapped.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[_unwrapped(n)] = full.detach().float().clone()
-        if "hyper_connection" in n:
-            sharded.append(isinstance(p, DTensor))
+    sharded = [isinstance(p, DTensor) for n, p in _managed_parameters(wrapped)
+               if "hyper_connection" in n]
     return list(losses), list(norms), weights, params, sharded
+
+
+def _managed_parameters(wrapped) -> list:
+    """The parameters as the wrapper manages them: FSDP2's are the module's own (DTensors);
+    Megatron-FSDP swaps its distributed parameters (DTensors over the data-parallel mesh) into
+    the module only around the optimizer step and gathers the whole ones back for the next
+    forward, so its managed parameters are read from its buffer
+    (``param_and_grad_buffer.optimizer_named_parameters``)."""
+    buffer = getattr(getattr(wrapped, "module", None), "param_and_grad_buffer", None)
+    if buffer is not None:
+        return list(buffer.optimizer_named_parameters)
+    return list(wrapped.named_parameters())
 
 
 def _unwrapped(name: str) -> str:

@@ -119,6 +119,36 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / denom if denom else (a - b).norm().item()
 
 
+# bf16 comparisons: the error against an fp32 run of the same weights may be at most
+# NOISE_FACTOR times the bf16 reference's own error against it, plus FLOOR (relative).
+NOISE_FACTOR = 3.0
+FLOOR = 5e-3
+
+
+def check_within_bf16_noise(loss: float, loss16: float, loss32: float, grads: dict,
+                            grads16: dict, grads32: dict, label: str) -> tuple[dict, str]:
+    """A bf16 layout's ``loss`` and ``grads`` ({name: tensor}) against an fp32 run of the same
+    weights (``loss32``, ``grads32``: the truth), bounded per tensor by the bf16 reference's
+    own error against the truth (``loss16``, ``grads16``: the rounding noise) times
+    NOISE_FACTOR, plus FLOOR. bf16 rounding alone moves small reductions (a 3-element
+    gradient) by a few per cent, so a fixed bf16 tolerance is either loose or flaky; a wrong
+    layout gives errors of order 1. Returns ``({"loss_rel_err", "worst_grad_vs_noise"},
+    the worst gradient's description)``."""
+    loss_err, noise = abs(loss - loss32), abs(loss16 - loss32)
+    assert loss_err <= NOISE_FACTOR * noise + FLOOR * abs(loss32), \
+        f"[{label}] loss {loss} vs fp32 {loss32} (the bf16 reference: {loss16})"
+    worst, worst_name = 0.0, ""
+    for n, g in grads.items():
+        err, noise = relative_error(g, grads32[n]), relative_error(grads16[n], grads32[n])
+        assert err <= NOISE_FACTOR * noise + FLOOR, (
+            f"[{label}] grad of {n}: relative error {err:.2e} against fp32, the bf16 "
+            f"reference has {noise:.2e}")
+        ratio = err / (noise + FLOOR)
+        if ratio > worst:
+            worst, worst_name = ratio, f"{n}: {err:.2e} vs bf16 noise {noise:.2e}"
+    return {"loss_rel_err": loss_err / abs(loss32), "worst_grad_vs_noise": worst}, worst_name
+
+
 def full_params(model, name=lambda n: n) -> dict:
     """Every parameter of ``model`` as the whole tensor (TP shards all-gathered along
     ``partition_dim``), keyed by ``name(parameter name)``."""
