@@ -167,7 +167,7 @@ def profile_models(args, out_path: str, steps: int) -> None:
     sub = 2 * shape["layers"]
     runs = {name: make_step(build(shape, "local", mhc, False, DEVICE)[0], shape, "local", DEVICE)
             for name, mhc in (("baseline", False), ("mHC", True))}
-    stats, ops = {}, {}
+    stats, ops, device_us = {}, {}, {}
     for name, step in runs.items():
         for _ in range(5):
             step()
@@ -181,12 +181,16 @@ def profile_models(args, out_path: str, steps: int) -> None:
         prof.disable()
         _sync()
         stats[name] = pstats.Stats(prof).stats
-        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda"
+                                               else [])
+        with profile(activities=activities) as tprof:
             for _ in range(steps):
                 step()
         _sync()
         gc.enable()
-        ops[name] = {e.key: (e.count, e.self_cpu_time_total) for e in tprof.key_averages()}
+        averages = tprof.key_averages()
+        ops[name] = {e.key: (e.count, e.self_cpu_time_total) for e in averages}
+        device_us[name] = sum(getattr(e, "self_device_time_total", 0) for e in averages) / steps
     base, mhc = stats["baseline"], stats["mHC"]
     per = 1e6 / steps
     rows = []
@@ -209,6 +213,10 @@ def profile_models(args, out_path: str, steps: int) -> None:
             if "mhc_megatron" in k[0]]
     for ct, calls, tt, key in sorted(ours, key=lambda r: -r[0])[:40]:
         lines.append(f"| {_func_name(key)} | {calls:.0f} | {tt:.1f} | {ct:.1f} |")
+    if DEVICE == "cuda":  # is the step host-bound? kernel time a step against the step time
+        lines += ["", "GPU kernel time a step (torch profiler): " + ", ".join(
+            f"{name} {us:.0f} us" for name, us in device_us.items()) + " (a step takes longer "
+            "than this where the host is the bound)"]
     lines += ["", "torch profiler: ops a step, mHC minus baseline (self CPU us a step)", "",
               "| op | extra calls / step | extra self CPU us / step |", "|---|---|---|"]
     keys = set(ops["baseline"]) | set(ops["mHC"])
@@ -293,6 +301,7 @@ def breakdown_rows(args) -> list[str]:
             module._ops = lambda streams, ops=ops: ops  # this model's modules only
     steps = {name: make_step(m, shape, "local", DEVICE) for name, m in models.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    host: dict[str, list[float]] = {name: [] for name in steps}  # until step() returns
     for step in steps.values():
         for _ in range(5):
             step()
@@ -306,16 +315,19 @@ def breakdown_rows(args) -> list[str]:
                     _sync()
                     t0 = time.perf_counter()
                     step()
+                    t1 = time.perf_counter()
                     _sync()
                     times[name].append(1e3 * (time.perf_counter() - t0))
+                    host[name].append(1e3 * (t1 - t0))
     finally:
         gc.enable()
     lo = {name: min(t) for name, t in times.items()}
     med = {name: statistics.median(t) for name, t in times.items()}
     lines = ["| run (dense, 4 layers, local specs) | step ms, min | step ms, median | "
-             "per sublayer over the baseline, us (min / median) |", "|---|---|---|---|"]
+             "host ms (until the step returns), min | per sublayer over the baseline, us "
+             "(min / median) |", "|---|---|---|---|---|"]
     for name in steps:
-        lines.append(f"| {name} | {lo[name]:.2f} | {med[name]:.2f} | "
+        lines.append(f"| {name} | {lo[name]:.2f} | {med[name]:.2f} | {min(host[name]):.2f} | "
                      f"{1e3 * (lo[name] - lo['baseline']) / sub:+.0f} / "
                      f"{1e3 * (med[name] - med['baseline']) / sub:+.0f} |")
     wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3

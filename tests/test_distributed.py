@@ -71,7 +71,7 @@ def test_expert_parallel_matches_single_rank(setup):
     out = _torchrun("ep_equivalence.py", setup)
     dispatchers = ["allgather"] + (["alltoall"] if setup != "cpu" else [])
     _expect(out, [f"ep=2 dispatcher={d} recompute={rc} " for d in dispatchers for rc in (False, True)]
-            + (["ep=2 dispatcher=alltoall recompute=False single_grouped=True "]
+            + (["ep=2 dispatcher=alltoall single_grouped=True "]
                if setup == "cuda-te" else []))
 
 

@@ -34,13 +34,15 @@ def test_key_is_as_fine_as_tritons_specialisation():
     assert _arg_key(base) == (torch.float32, True)
     assert _arg_key(base[1:]) == (torch.float32, False)  # 4 bytes off: not 16-byte aligned
     assert _arg_key(base.to(torch.bfloat16)) != _arg_key(base)
-    keys = {v: _arg_key(v) for v in (0, 1, 2, 16, 17, 32, 2**31 - 16, 2**31, 2**63)}
-    assert keys[1] != keys[2] == keys[17]  # ==1 is its own specialisation; 2 and 17: neither
-    assert keys[16] == keys[32] != keys[17]  # divisible by 16 or not
-    assert keys[2**31 - 16] != keys[2**31] != keys[2**63]  # i32 / i64 / u64
-    assert _arg_key(True) != _arg_key(1)
-    assert _arg_key(1.5) is float and _arg_key(None) is type(None)
-    assert _arg_key([1]) is launch._UNKEYED
+    assert _arg_key(torch.nn.Parameter(base)) == _arg_key(base)  # a parameter is a tensor
+    # every int Triton specialises apart (==1, divisible by 16 or not, i32 / i64 / u64) has
+    # a key of its own: ints are keyed by value
+    values = (0, 1, 2, 16, 17, 32, 2**31 - 16, 2**31, 2**63)
+    assert len({_arg_key(v) for v in values}) == len(values)
+    assert _arg_key(True) != _arg_key(1) and _arg_key(1.0) != _arg_key(1)  # equal, not alike
+    assert _arg_key(1.5) == (float, 1.5) and _arg_key(None) == (type(None), None)
+    key = launch._launch_key(0, Meta(N=4), (base, base[1:], 64, 1e-6, None))
+    assert key == (0, Meta(N=4), *map(_arg_key, (base, base[1:], 64, 1e-6, None)))
 
 
 def test_meta_hashes_by_value():
@@ -143,6 +145,51 @@ def test_launcher_keeps_tritons_path_for_hooks_and_defaults(fast_path_on, monkey
     chain.calls.clear()
     run((1,), meta, x, 64)
     assert fn.log[-1][0] == "triton"
+
+
+def test_unhashable_argument_takes_tritons_launcher(fast_path_on):
+    fn = _FakeJit()
+    run = Launcher(fn)
+    meta = Meta(N=4, BT=8)
+    for _ in range(2):
+        run((1,), meta, torch.zeros(4), [3])
+    assert [e[0] for e in fn.log] == ["triton", "triton"] and run.cached_kernels() == 0
+
+
+class _Triton36Run:
+    """Stands in for triton 3.6's CudaLauncher: the compiled module's C ``launch`` and the
+    attributes its ``__call__`` passes on."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, log, scratch=0):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, scratch, 0
+
+    def launch(self, *args):
+        self.log.append(("c", args))
+
+    def __call__(self, *args):
+        self.log.append(("wrapper", args))
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_direct_c_launch_on_triton_3_6(fast_path_on, monkeypatch, scratch):
+    """triton 3.6, a kernel without scratch memory: its C launcher with what triton's wrapper
+    would pass (cooperative grid, PDL, no scratch, the packed metadata, no launch metadata,
+    no hooks); with scratch memory to allocate: the wrapper."""
+    fn = _FakeJit()
+    fn.compiled.run = _Triton36Run(fn.log, scratch)
+    monkeypatch.setattr(launch, "_triton_version", lambda: (3, 6))
+    run = Launcher(fn)
+    meta, x = Meta(N=4, BT=8), torch.zeros(32)
+    run((2,), meta, x, 64)
+    run((2,), meta, x, 64)
+    if scratch:
+        assert fn.log[-1] == ("wrapper", (2, 1, 1, 77, "fn", "meta", None, None, None, x, 64,
+                                          4, 8))
+    else:
+        assert fn.log[-1] == ("c", (2, 1, 1, 77, "fn", False, True, None, None, "meta", None,
+                                    None, None, x, 64, 4, 8))
 
 
 def test_launcher_off_delegates(monkeypatch):

@@ -190,14 +190,31 @@ def triton_unsupported_reason(x: Tensor, n: int | None = None) -> str | None:
     return None
 
 
+# select_ops' choices for CUDA inputs, by (backend, dtype, n): there they depend on nothing
+# else (select_ops runs twice a sublayer)
+_CUDA_CHOICES: dict[tuple, MHCOps] = {}
+
+
 def select_ops(backend: str, x: Tensor, n: int | None = None,
                form: reference.MappingForm = reference.PAPER) -> MHCOps:
     """The :class:`MHCOps` that ``backend`` ("auto" | "triton" | "reference") selects for ``x``
     (``[T, n, C]``, or the streams ``[..., n*C]`` with ``n`` given) and the mapping ``form``
     (both backends compute every form, so the choice does not depend on it; the Triton ``pre``
-    refuses an unknown ``form.name`` with a ValueError)."""
+    refuses an unknown ``form.name`` with a ValueError). A choice for a CUDA ``x`` is made once
+    per (backend, dtype, n)."""
     if backend == "reference":
         return REFERENCE_OPS
+    if x.is_cuda:
+        key = (backend, x.dtype, n if n is not None else x.shape[1] if x.dim() == 3 else None)
+        chosen = _CUDA_CHOICES.get(key)
+        if chosen is None:
+            chosen = _CUDA_CHOICES[key] = _select(backend, x, n)
+        return chosen
+    return _select(backend, x, n)
+
+
+def _select(backend: str, x: Tensor, n: int | None) -> MHCOps:
+    """:func:`select_ops`' choice, made afresh."""
     if backend not in ("auto", "triton"):
         raise ValueError(
             f"mhc_kernel_backend={backend!r} is unknown. Fix: use one of {KERNEL_BACKENDS}."

@@ -11,12 +11,15 @@ same arguments, and calls the compiled kernel's launcher directly from then on.
 
 The key is at least as fine as Triton's specialisation (so a cached kernel is always one
 Triton itself would have picked for these arguments): per tensor its dtype and whether its
-address is 16-byte aligned; per int whether it is 1, whether it is divisible by 16 and its
-width (i32 / i64 / u64); floats and None by type; the keyword arguments (constexprs and
-launch options) by value; and the device. Anything else (another argument type, a launch
-hook such as a profiler's, the interpreter, an untested triton version, tracing by
-``torch.compile``, or ``MHC_TRITON_FAST_LAUNCH=0``) takes Triton's own launcher, as does the
-first launch of every key (it compiles, or finds the kernel in Triton's cache).
+address is 16-byte aligned; every other argument by its type and value (Triton specialises
+ints on being 1, on divisibility by 16 and on their width, all functions of the value); the
+keyword arguments (constexprs and launch options) by value; and the device. An unhashable
+argument, a launch hook such as a profiler's, the interpreter, an untested triton version,
+tracing by ``torch.compile``, or ``MHC_TRITON_FAST_LAUNCH=0`` take Triton's own launcher, as
+does the first launch of every key (it compiles, or finds the kernel in Triton's cache).
+Where the compiled kernel needs no scratch memory and triton's launcher layout is known
+(:data:`_DIRECT_C_LAUNCH`), the compiled module's C ``launch`` is called directly, without
+the Python wrapper that allocates scratch.
 
 Also here: ``cdiv`` and ``next_pow2`` for host code. ``triton.cdiv`` and
 ``triton.next_power_of_2`` are ``constexpr_function``s in triton 3.6: called from Python
@@ -39,8 +42,6 @@ logger = logging.getLogger(__name__)
 # packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args)`` with every bound
 # argument (constexprs included), as read in their runtime/jit.py.
 _TESTED_TRITON = ((3, 6), (3, 7), (3, 8))
-_I32 = (-(2**31), 2**31)
-_I64 = (-(2**63), 2**63)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -77,21 +78,16 @@ def fast_launch_supported() -> str | None:
 
 
 def _arg_key(a):
-    """The part of the launch key for one positional argument, or ``_UNKEYED``."""
+    """The part of the launch key for one positional argument (see the module docstring)."""
     if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    t = type(a)
-    if t is bool:
-        return t, a
-    if t is int:
-        width = 0 if _I32[0] <= a < _I32[1] else 1 if _I64[0] <= a < _I64[1] else 2
-        return width, a == 1, a % 16 == 0
-    if t is float or a is None:
-        return t
-    return _UNKEYED
+        return a.dtype, a.data_ptr() & 15 == 0
+    return type(a), a
 
 
-_UNKEYED = object()
+def _launch_key(device: int, meta, args) -> tuple:
+    """``(device, meta, *map(_arg_key, args))``, built inline (one launch key a launch)."""
+    return (device, meta, *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+                            else (type(a), a) for a in args])
 
 
 class Meta:
@@ -147,19 +143,22 @@ class Launcher:
             self.fn[grid](*args, **meta.kwargs)  # a profiler's hooks: Triton's path calls them
             return
         device = torch._C._cuda_getDevice()
-        key = (device, meta, *map(_arg_key, args))
-        entry = self._cache.get(key)
+        key = _launch_key(device, meta, args)
+        try:
+            entry = self._cache.get(key)
+        except TypeError:  # an unhashable argument: Triton's launcher, every time
+            self.fn[grid](*args, **meta.kwargs)
+            return
         if entry is None:
             self._first_launch(key, grid, meta, args)
             return
-        run, function, packed_metadata, tail = entry
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device), function, packed_metadata, None, None,
-            None, *args, *tail)
+        launch, prefix, tail = entry
+        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+               torch._C._cuda_getCurrentRawStream(device), *prefix, *args, *tail)
 
     def _first_launch(self, key, grid, meta: Meta, args) -> None:
         kernel = self.fn[grid](*args, **meta.kwargs)  # compiles if needed, launches
-        if _UNKEYED in key or kernel is None:
+        if kernel is None:
             return
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
@@ -168,7 +167,7 @@ class Launcher:
                 or pre_run_hooks(self.fn)):
             return  # a defaulted parameter or a hook: keep Triton's launcher for this key
         tail = tuple(meta.kwargs[n] for n in tail_names)
-        self._cache[key] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
+        self._cache[key] = (*_compiled_launch(kernel), tail)
 
     def cached_kernels(self) -> int:
         """How many compiled kernels this launcher calls directly (tests)."""
@@ -176,6 +175,27 @@ class Launcher:
 
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _compiled_launch(kernel) -> tuple:
+    """``(launch, prefix)`` for a compiled kernel: ``launch(gx, gy, gz, stream, *prefix,
+    *kernel_args)`` launches it. The compiled module's C launcher where triton's launcher
+    layout is known (:data:`_DIRECT_C_LAUNCH`) and the kernel needs no scratch memory (what
+    the Python wrapper would allocate); else the wrapper, ``kernel.run``, with no launch
+    metadata and no hooks (Triton's launcher passes None and empty hook chains)."""
+    run = kernel.run
+    if (_triton_version() in _DIRECT_C_LAUNCH and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch")):
+        return run.launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl,
+                            None, None, kernel.packed_metadata, None, None, None)
+    return run, (kernel.function, kernel.packed_metadata, None, None, None)
+
+
+# Triton versions whose CudaLauncher.__call__(gx, gy, gz, stream, function, *rest) calls the
+# compiled module's ``launch(gx, gy, gz, stream, function, cooperative_grid, pdl,
+# global_scratch, profile_scratch, *rest)`` and nothing else when both scratch sizes are 0
+# (read in their backends/nvidia/driver.py).
+_DIRECT_C_LAUNCH = ((3, 6),)
 
 
 def _hooked(hook) -> bool:

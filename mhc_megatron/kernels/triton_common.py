@@ -9,6 +9,7 @@ and backward). The ops are in :mod:`~mhc_megatron.kernels.triton_pre` (its kerne
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -35,9 +36,13 @@ def form_flags(form) -> tuple[bool, bool]:
     return form.name == "deepseek_v4", bool(form.transposed)
 
 
+_FORCED_PRECISION = os.environ.get("MHC_TRITON_DOT_PRECISION")
+
+
 def forced_precision() -> str | None:
-    """``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``), or None."""
-    return os.environ.get("MHC_TRITON_DOT_PRECISION")
+    """``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``), or None: read when the
+    kernels are imported (the ops ask on every call)."""
+    return _FORCED_PRECISION
 
 
 def _dot_precision(dtype: torch.dtype, forced: str | None = None) -> str:
@@ -55,6 +60,7 @@ def _projection_splits_phi(dtype: torch.dtype, forced: str | None = None) -> boo
     return dtype == torch.bfloat16 and forced is None
 
 
+@functools.cache
 def _padded_m(n: int) -> int:
     return max(16, next_pow2(2 * n + n * n))
 

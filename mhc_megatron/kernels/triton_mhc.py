@@ -56,7 +56,8 @@ sublayer instead of adding two x-sized tensors (see :mod:`mhc_megatron.kernels.h
 Dots run on tensor cores with fp32 accumulation. The projection: bf16 x as is against phi
 split into bf16 hi + lo halves (~16 mantissa bits of phi); fp16 x widened and TF32 (exact for
 x, phi rounded to TF32); fp32 x with 3xTF32. The backward dots use TF32 (16-bit x) or 3xTF32
-(fp32 x). ``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``) overrides them all.
+(fp32 x). ``MHC_TRITON_DOT_PRECISION`` (``tf32``, ``tf32x3``, ``ieee``) overrides them all
+(read when the kernels are imported).
 """
 
 from __future__ import annotations
