@@ -96,6 +96,28 @@ def single_grouped_expert_overrides() -> dict:
                 bf16=True, params_dtype=torch.bfloat16)
 
 
+def te_single_grouped_weight_unsupported() -> str | None:
+    """Why TE cannot run the single grouped expert weight on this GPU, or None. TE 2.20 runs it
+    only on its grouped-tensor GEMM path (bf16/fp16, compute capability 9.0-11.0, cuBLASLt
+    >= 13.4 on Hopper and >= 13.3 on Blackwell; ``is_op_fuser_grouped_tensor_path_supported``),
+    and raises in the first forward elsewhere."""
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.ops.basic.grouped_linear import (
+            is_op_fuser_grouped_tensor_path_supported,
+        )
+    except ImportError as error:
+        return f"this Transformer Engine has no single grouped weight path ({error})"
+    if is_op_fuser_grouped_tensor_path_supported(None, torch.bfloat16):
+        return None
+    v = tex.get_cublasLt_version()
+    return (f"TE's single grouped expert weight needs its grouped-tensor GEMM path: compute "
+            f"capability 9.0-11.0 with cuBLASLt >= 13.4 on Hopper (13.3 on Blackwell); this GPU "
+            f"is {torch.cuda.get_device_name()} (capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) with cuBLASLt "
+            f"{v // 10000}.{v // 100 % 100}.{v % 100}")
+
+
 def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:
     """The tests' mHC GPT of ``config`` (vocabulary ``VOCAB``, ``SEQ`` positions, RoPE): the
     decoder block ``spec`` (default: ours, TE's modules with ``te``) and, where

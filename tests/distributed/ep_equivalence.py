@@ -1,6 +1,7 @@
 """MoE with expert parallelism EP=2 equals EP=1: loss and every gradient.
 
 Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/ep_equivalence.py
+[single_grouped] (TE's single grouped expert weight alone; TE, GPUs)
 
 Two ranks, each with its own micro-batch (EP is carved out of data parallelism). EP=1: both
 ranks hold all 4 experts and the same weights; each runs fwd+bwd on its batch, and the sum of
@@ -11,8 +12,8 @@ own finalize step is not needed for the check: the dense (non-expert) grads are 
 the two ranks as DP would, and each local expert's grad, which already holds both ranks'
 tokens, must equal the reference grad of that global expert. Per-rank losses must equal the
 EP=1 losses of the same batch. With and without mHC recompute; with TE specs the experts run
-TE's grouped GEMM, and also with its single grouped weight (bf16, bounded by bf16's own
-rounding: ``check_single_grouped``). The same comparison without mHC runs first for each
+TE's grouped GEMM; with ``single_grouped`` the experts' weights are TE's single grouped
+weight instead (bf16, bounded by bf16's own rounding: ``check_single_grouped``). The same comparison without mHC runs first for each
 dispatcher (and weight layout): its errors, the layout's own rounding, are printed beside
 mHC's on the PASS line.
 """
@@ -20,6 +21,7 @@ mHC's on the PASS line.
 from __future__ import annotations
 
 import re
+import sys
 
 import harness  # noqa: F401  (first: hides TE on CPU ranks)
 import torch
@@ -193,13 +195,14 @@ def check_single_grouped(mhc: bool = True, baseline: dict | None = None) -> dict
 
 def main():
     harness.init()
+    if sys.argv[1:] == ["single_grouped"]:  # Megatron-Core 0.19.2's single grouped expert
+        check_single_grouped(baseline=check_single_grouped(mhc=False))  # weight (TE only)
+        return
     dispatchers = ("allgather", "alltoall") if harness.DEVICE == "cuda" else ("allgather",)
     for dispatcher in dispatchers:
         baseline = check(dispatcher, False, mhc=False)
         for recompute in (False, True):
             check(dispatcher, recompute, baseline=baseline)
-    if harness.USE_TE:  # Megatron-Core 0.19.2's single grouped expert weight (TE only)
-        check_single_grouped(baseline=check_single_grouped(mhc=False))
 
 
 if __name__ == "__main__":
