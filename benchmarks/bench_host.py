@@ -24,7 +24,10 @@ so wall time is host time:
   functions that allocate the ops' outputs and gradients and launch nothing): null minus
   baseline is the layer code around the ops (Python, autograd nodes, the mHC parameters'
   gradient accumulation), mHC minus null the ops; per step the minimum and the median over
-  alternating rounds (host noise only adds time, so the minimum is the steadier estimate);
+  alternating rounds (host noise only adds time, so the minimum is the steadier estimate),
+  the host time until the step returns (all launched, before the sync) and the process CPU
+  time over that span (every thread's: the autograd engine's too; a busy neighbour on the
+  host stretches wall time more than CPU time);
 * ``--profile-models OUT``: where a model step's extra host time goes: the dense model's
   baseline and mHC steps under cProfile (Python functions and the torch calls they make, per
   step: mHC minus baseline, by own time and by cumulative time in mhc_megatron's files) and
@@ -302,6 +305,7 @@ def breakdown_rows(args) -> list[str]:
     steps = {name: make_step(m, shape, "local", DEVICE) for name, m in models.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     host: dict[str, list[float]] = {name: [] for name in steps}  # until step() returns
+    cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU time, the same span
     for step in steps.values():
         for _ in range(5):
             step()
@@ -313,23 +317,28 @@ def breakdown_rows(args) -> list[str]:
             for name, step in steps.items():
                 for _ in range(10):
                     _sync()
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     step()
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.process_time()
                     _sync()
                     times[name].append(1e3 * (time.perf_counter() - t0))
                     host[name].append(1e3 * (t1 - t0))
+                    cpu[name].append(1e3 * (c1 - c0))
     finally:
         gc.enable()
     lo = {name: min(t) for name, t in times.items()}
     med = {name: statistics.median(t) for name, t in times.items()}
+    cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
     lines = ["| run (dense, 4 layers, local specs) | step ms, min | step ms, median | "
-             "host ms (until the step returns), min | per sublayer over the baseline, us "
-             "(min / median) |", "|---|---|---|---|---|"]
+             "host ms (until the step returns), min | process CPU ms (same span), median | "
+             "per sublayer over the baseline, us (min / median / CPU median) |",
+             "|---|---|---|---|---|---|"]
     for name in steps:
         lines.append(f"| {name} | {lo[name]:.2f} | {med[name]:.2f} | {min(host[name]):.2f} | "
+                     f"{cpu_med[name]:.2f} | "
                      f"{1e3 * (lo[name] - lo['baseline']) / sub:+.0f} / "
-                     f"{1e3 * (med[name] - med['baseline']) / sub:+.0f} |")
+                     f"{1e3 * (med[name] - med['baseline']) / sub:+.0f} / "
+                     f"{1e3 * (cpu_med[name] - cpu_med['baseline']) / sub:+.0f} |")
     wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
     kern = (lo["mHC"] - lo["mHC, null ops"]) / sub * 1e3
     lines += ["", f"per sublayer (minimum): layer code around the ops {wrap:.0f} us, the ops "
