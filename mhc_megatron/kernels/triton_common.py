@@ -319,6 +319,48 @@ def plan(make, *key):
     return entry
 
 
+class Scratch:
+    """The temporaries of one launch plan (``specs``: ``(shape, dtype)`` each), reused from call
+    to call: an op's split partials and per-program sums live only between its own launches,
+    and its kernels write every element they read, as with ``torch.empty``.
+
+    One set per device and CUDA stream: on one stream the next call's kernels run after this
+    call's, so a set is never in use twice at once. Fresh tensors while a CUDA graph is being
+    captured (they then belong to the graph's memory pool), while ``torch.compile`` traces, and
+    for a plan whose temporaries exceed ``SCRATCH_LIMIT`` bytes (large inputs: the GPU time
+    dwarfs an allocation's host time there). The sets live as long as the plan (see
+    :func:`plan`)."""
+
+    __slots__ = ("specs", "reuse", "_sets")
+
+    def __init__(self, *specs: tuple[tuple[int, ...], torch.dtype]):
+        self.specs = specs
+        nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
+        self.reuse = nbytes <= SCRATCH_LIMIT
+        self._sets: dict = {}
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if self.reuse and not _compiling():
+            if device.type != "cuda":
+                key = device.type
+            elif torch.cuda.is_current_stream_capturing():
+                return self._fresh(device)
+            else:
+                key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+            found = self._sets.get(key)
+            if found is None:
+                found = self._sets[key] = self._fresh(device)
+            return found
+        return self._fresh(device)
+
+    def _fresh(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(shape, device=device, dtype=dtype) for shape, dtype in self.specs)
+
+
+SCRATCH_LIMIT = 64 << 20  # bytes of one plan's temporaries reused (see Scratch)
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
 def _sweep_bc(n: int, C: int) -> int:
     """Channels per program of the [tokens, n, channels] sweeps."""
     return max(16, min(TILES.sweep[1] // n, next_pow2(C)))

@@ -14,8 +14,9 @@ backward, the dx + dphi pass, the parameter gradients) and theirs in
 in order and the entry points.
 
 Host side: the launch shapes of a (T, n, C, dtype, form) are computed once
-(:func:`~mhc_megatron.kernels.triton_common.plan`) and the kernels launched through
-:class:`~mhc_megatron.kernels.launch.Launcher`.
+(:func:`~mhc_megatron.kernels.triton_common.plan`), with the temporaries, which are reused
+from call to call (:class:`~mhc_megatron.kernels.triton_common.Scratch`), and the kernels
+launched through :class:`~mhc_megatron.kernels.launch.Launcher`.
 """
 
 from __future__ import annotations
@@ -73,8 +74,7 @@ class _PreFn(torch.autograd.Function):
         if T > 0:
             p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
                      transposed)
-            part = torch.empty(p.splits, T, mp, device=dev, dtype=f32)
-            part_ss = torch.empty(p.splits, T, device=dev, dtype=f32)
+            part, part_ss = p.scratch.tensors(dev)
             _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
                       ht, rstd, T, p.K, p.splits, float(eps), int(iters), float(form.eps))
@@ -110,11 +110,7 @@ class _PreFn(torch.autograd.Function):
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
         dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
         dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
-        dp = torch.empty(T, p.mp, device=dev, dtype=f32)  # every column written
-        coef = torch.empty(T, device=dev, dtype=f32)
-        dphi_part = torch.empty(p.dx_splits, p.mp, p.K, device=dev, dtype=f32)
-        red_part = torch.empty(p.map_programs, p.mp, device=dev, dtype=f32)
-        part = torch.empty(p.dh_splits, T, n, device=dev, dtype=f32)
+        dp, coef, dphi_part, red_part, part = p.scratch.tensors(dev)  # dp: every column written
         _DHPRE(p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
         hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
         dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)

@@ -27,6 +27,7 @@ from mhc_megatron.kernels.launch import Launcher, Meta, cdiv
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
+    Scratch,
     _aggregate_tile,
     _dot_precision,
     _mapping_logits,
@@ -178,6 +179,9 @@ class _PreForwardPlan:
         self.map_grid = (cdiv(T, map_bt),)
         self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, DSV4=dsv4, TRANSPOSED=transposed,
                              num_warps=map_warps)
+        # the projection's partials [splits, T, mp] and sums of squares [splits, T]
+        self.scratch = Scratch(((self.splits, T, self.mp), torch.float32),
+                               ((self.splits, T), torch.float32))
 
 
 
