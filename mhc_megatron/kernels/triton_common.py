@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc_megatron.kernels.launch import cdiv, next_pow2
+from mhc_megatron.kernels.launch import _compiling, cdiv, next_pow2
 
 SUPPORTED_STREAMS = (1, 2, 4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -358,7 +358,6 @@ class Scratch:
 
 
 SCRATCH_LIMIT = 64 << 20  # bytes of one plan's temporaries reused (see Scratch)
-_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _sweep_bc(n: int, C: int) -> int:
