@@ -287,11 +287,12 @@ class _PreBackwardPlan(_BackwardShapes):
                      forced, has_g, bcast, 3)
         self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt, DSV4=dsv4,
                              TRANSPOSED=transposed, num_warps=map_warps)
-        f32 = torch.float32  # dP [T, mp], its coefficient [T], the dphi partials, the
-        self.scratch = Scratch(((T, self.mp), f32), ((T,), f32),  # mappings' per-program
-                               ((self.dx_splits, self.mp, self.K), f32),  # sums, dH_pre's
-                               ((self.map_programs, self.mp), f32),  # partials
-                               ((self.dh_splits, T, n), f32))
+        # temporaries: dP [T, mp] and its coefficient [T], the dphi partials, the mappings'
+        # per-program sums, dH_pre's partials
+        f32 = torch.float32
+        self.scratch = Scratch(((T, self.mp), f32), ((T,), f32),
+                               ((self.dx_splits, self.mp, self.K), f32),
+                               ((self.map_programs, self.mp), f32), ((self.dh_splits, T, n), f32))
 
 
 def _launch_dx_dphi(p: _BackwardShapes, *args) -> None:
