@@ -215,8 +215,10 @@ def _sublayer(seed, x_offset=0, n=4, c=96, t=37):
     y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6)
     out = triton_mhc.combine(x, y * 1.5, None, h_res, h_post)
     out.float().square().sum().backward()
+    with torch.no_grad():  # the aggregate's own kernel (pre forms y in its mapping kernel here)
+        again = triton_mhc.aggregate(x, h_pre)
     return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, x.grad, phi.grad,
-                                         alpha.grad, bias.grad)]
+                                         alpha.grad, bias.grad, again)]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (compiled Triton kernels)")
@@ -294,12 +296,17 @@ def test_launcher_leaves_tracing_to_tritons_launch_form(fast_path_on, monkeypatc
     assert fn.log[-1][0] == "direct"
 
 
-def test_kernel_launches_per_sublayer(monkeypatch):
+@pytest.mark.parametrize("small", [True, False], ids=["small", "large"])
+def test_kernel_launches_per_sublayer(monkeypatch, small):
     """The host cost of a sublayer scales with its launches: pre forward 3 (projection,
-    mappings, aggregate), combine forward 1, combine backward 1, pre backward 4 (dH_pre,
+    mappings, aggregate; 2 for small inputs, whose mapping kernel forms the aggregate too,
+    ``TILES.maps_agg``), combine forward 1, combine backward 1, pre backward 4 (dH_pre,
     mappings, dx + dphi, the parameter-gradient sums), all through ``Launcher``."""
     from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.kernels.triton_common import TILES
 
+    if not small:  # every input counts as large
+        monkeypatch.setattr(TILES, "maps_agg", (0, TILES.maps_agg[1]))
     calls = []
     original = Launcher.__call__
 
@@ -316,8 +323,9 @@ def test_kernel_launches_per_sublayer(monkeypatch):
     alpha = torch.full((3,), 0.5, device=dev, requires_grad=True)
     bias = torch.zeros(m, device=dev, requires_grad=True)
     y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
-    assert len(calls) == 3
+    pre_launches = 2 if small else 3
+    assert len(calls) == pre_launches, calls
     out = triton_mhc.combine(x, y * 2.0, None, h_res, h_post, n=n)
-    assert len(calls) == 4
+    assert len(calls) == pre_launches + 1
     out.square().sum().backward()
-    assert len(calls) == 9, calls
+    assert len(calls) == pre_launches + 6, calls

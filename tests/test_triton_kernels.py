@@ -85,6 +85,36 @@ def test_aggregate_replays_pre_bitwise(t, n, c, dtype):
         triton_mhc.aggregate(x.detach().requires_grad_(), h_pre)
 
 
+@pytest.mark.parametrize("t,n,c", [(5, 1, 7), (19, 2, 33), (17, 4, 130), (3, 8, 5)]
+                         + ([(300, 4, 1000)] if CUDA else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["paper", "deepseek_v4"])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_aggregate_in_the_mapping_kernel_changes_no_bit(monkeypatch, t, n, c, dtype, form,
+                                                        broadcast):
+    """Small inputs: pre's mapping kernel forms ``y`` too (``TILES.maps_agg``), one launch
+    fewer. Every output equals the separate aggregate kernel's path bit for bit, in both
+    mapping forms, also for broadcast streams (global layer 1's view of the embeddings)."""
+    from mhc_megatron.kernels import triton_common
+    from mhc_megatron.kernels.reference import MappingForm
+    from mhc_megatron.kernels.triton_common import TILES
+
+    x, phi, alpha, bias, _ = _pre_case(t, n, c, dtype, seed=3 * t + n + c)
+    if broadcast and n == 1:
+        pytest.skip("one stream: nothing to broadcast")
+    if broadcast:  # one row a token read n times (stream stride 0), as broadcast_streams
+        x = x[:, 0].contiguous().view(t, 1, c).expand(t, n, c)
+        assert triton_common.streams_operand(x)[1]
+    runs = []
+    for elements in (1 << 62, 0):  # in the mapping kernel; in the aggregate's own kernel
+        monkeypatch.setattr(TILES, "maps_agg", (elements, TILES.maps_agg[1]))
+        with torch.no_grad():
+            runs.append(triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6,
+                                       form=MappingForm(form, 1e-6, form == "deepseek_v4")))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("t,n,c", GPU_SHAPES if CUDA else CPU_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])

@@ -289,12 +289,17 @@ class KernelTiles:
     summed in a fixed order) so that about ``target_programs`` programs are in flight. "loop
     stages": the streaming loops of the combine's backward and of pre's dx pass are
     software-pipelined as a whole (``tl.range(..., num_stages=...)``): a launch's ``num_stages``
-    pipelines only the loads that feed a ``tl.dot``."""
+    pipelines only the loads that feed a ``tl.dot``. "maps_agg": for small inputs, where a step
+    is bound by host time, pre's mapping kernel also forms the aggregate ``y`` of its tokens
+    (one launch fewer; the same bits, :func:`_aggregate_tile`); larger inputs keep the
+    aggregate's own, wider kernel."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
     maps: tuple = (16, 1)                   # per-token mapping math (Sinkhorn): (tokens, warps)
+    maps_agg: tuple = (1 << 20, 128)        # pre's aggregate inside the mapping kernel for x of
+    #                                         at most this many elements: (elements, channels)
     head: tuple = (64, 4)                   # output head's per-token weights: (tokens, warps)
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)

@@ -18,8 +18,9 @@ partials that are summed in a fixed order, so results are bitwise identical run 
 * forward "pre": ``_proj_partial`` (projection ``x @ phi^T`` with ``tl.dot`` and the sum of
   squares, on a (token block x K split) grid), ``_mappings_fwd`` (per token: sum of the
   partials, RMS, sigmoids, Sinkhorn in registers: the paper's log-domain one, or with the
-  ``DSV4`` constexpr DeepSeek-V4's linear-domain one; ``TRANSPOSED`` stores ``M^T``),
-  ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid).
+  ``DSV4`` constexpr DeepSeek-V4's linear-domain one; ``TRANSPOSED`` stores ``M^T``; for
+  small inputs, ``HAS_AGG``, also the aggregate of its tokens), ``_aggregate_fwd``
+  (``y = sum_i H_pre[i] x[i]`` on a (token x channel) grid).
 * ``_combine_fwd``: ``x' = H_res x + H_post (f + bias)``; with ``HAS_AGG`` also the next
   pre's aggregate of ``x'`` (``combine_aggregate``: ``mhc_recompute``'s replay of the pair,
   bit for bit the two ops, ``x'`` not read back).

@@ -77,8 +77,10 @@ class _PreFn(torch.autograd.Function):
             part, part_ss = p.scratch.tensors(dev)
             _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
-                      ht, rstd, T, p.K, p.splits, float(eps), int(iters), float(form.eps))
-            _launch_aggregate(x3, h_pre, y, bcast)
+                      ht, rstd, x3, y, T, p.K, C, p.splits, float(eps), int(iters),
+                      float(form.eps))
+            if not p.map_agg:  # (small inputs: the mapping kernel formed y)
+                _launch_aggregate(x3, h_pre, y, bcast)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.bcast = bcast
         ctx.iters = int(iters)

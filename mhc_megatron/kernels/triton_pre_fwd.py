@@ -4,10 +4,10 @@ and their launch plans.
 ``_proj_partial`` (projection ``x @ phi^T`` with ``tl.dot`` and the sum of squares, on a
 (token block x K split) grid walked from the last tokens down), ``_mappings_fwd`` (per
 token: sum of the partials, RMS, sigmoids, Sinkhorn in registers: the paper's log-domain one
-or DeepSeek-V4's), ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x channel)
-grid walked up): each starts on the token rows the kernel before it read or wrote last, still
-in L2
-(:func:`~mhc_megatron.kernels.triton_common.token_rows`). ``x [T, n, C]`` (or one broadcast
+or DeepSeek-V4's; for small inputs also the aggregate of its tokens, one launch fewer where
+a step is bound by host time), ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x
+channel) grid walked up): each starts on the token rows the kernel before it read or wrote
+last, still in L2 (:func:`~mhc_megatron.kernels.triton_common.token_rows`). ``x [T, n, C]`` (or one broadcast
 row a token, ``X_BCAST``), ``phi [m, n*C]`` (``m = 2n + n^2``), mappings fp32.
 
 Host side: the launch shapes of a (T, n, C, dtype) (:class:`_PreForwardPlan`,
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc_megatron.kernels.launch import Launcher, Meta, cdiv
+from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
@@ -95,15 +95,20 @@ def _proj_partial(x_ptr, phi_ptr, part_ptr, ss_ptr, T, K, C, K_PER_SPLIT,
 
 @triton.jit
 def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hres_ptr,
-                  ht_ptr, rstd_ptr, T, K, SPLITS, eps, iters, form_eps,
+                  ht_ptr, rstd_ptr, x_ptr, y_ptr, T, K, C, SPLITS, eps, iters, form_eps,
                   N: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, DSV4: tl.constexpr,
-                  TRANSPOSED: tl.constexpr):
+                  TRANSPOSED: tl.constexpr, HAS_AGG: tl.constexpr, BC: tl.constexpr,
+                  X_BCAST: tl.constexpr):
     """Sum the split partials in order, then Ht [T, MP], rstd [T] and the mappings
     (``h_pre``, ``h_post [T, N]``, ``h_res [T, N, N]``) for a token block.
 
     The paper's form, or with DSV4 DeepSeek-V4's (``h_pre = sigmoid + form_eps``, the
     linear-domain Sinkhorn :func:`~mhc_megatron.kernels.triton_common._sinkhorn_dsv4`);
-    TRANSPOSED stores ``h_res = M^T`` (``M[i, j]`` at ``j*N + i``)."""
+    TRANSPOSED stores ``h_res = M^T`` (``M[i, j]`` at ``j*N + i``). HAS_AGG: also the
+    aggregate of the block's tokens, ``y [T, C] = sum_i h_pre[t, i] x[t, i, :]`` (``x [T, N, C]``,
+    or one broadcast row a token with X_BCAST), ``BC`` channels a step, the bits of
+    ``_aggregate_fwd`` (:func:`~mhc_megatron.kernels.triton_common._aggregate_tile`); else
+    ``x_ptr``, ``y_ptr`` and ``C`` are unread."""
     t, tmask, t64 = token_block(T, BT)
     mcol = tl.arange(0, MP)
     acc, rstd = projection_rows(part_ptr, ss_ptr, t64, tmask, T, K, SPLITS, eps, MP, BT)
@@ -128,6 +133,14 @@ def _mappings_fwd(part_ptr, ss_ptr, alpha_ptr, bias_ptr, hpre_ptr, hpost_ptr, hr
              mask=tmask[:, None])
     tl.store(hres_ptr + t64[:, None, None] * (N * N) + ij[None, :, :], h_res,
              mask=tmask[:, None, None])
+    if HAS_AGG:
+        tl.debug_barrier()  # h_pre rows written above are read back by other threads
+        XT, XS = stream_strides(N, C, X_BCAST)
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            m2 = tmask[:, None] & (c < C)[None, :]
+            y = _aggregate_tile(x_ptr, hpre_ptr, t64, tmask, c, m2, XT, XS, N, BT, BC)
+            tl.store(y_ptr + t64[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -176,8 +189,11 @@ class _PreForwardPlan:
                               INTERPRETED=_INTERPRETED, X_BCAST=bcast, num_warps=warps,
                               num_stages=stages)
         map_bt, map_warps = TILES.maps
+        agg_elements, agg_bc = TILES.maps_agg
         self.map_grid = (cdiv(T, map_bt),)
+        self.map_agg = T * self.K <= agg_elements  # the aggregate in the mapping kernel
         self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, DSV4=dsv4, TRANSPOSED=transposed,
+                             HAS_AGG=self.map_agg, BC=min(agg_bc, next_pow2(C)), X_BCAST=bcast,
                              num_warps=map_warps)
         # the projection's partials [splits, T, mp] and sums of squares [splits, T]
         self.scratch = Scratch(((self.splits, T, self.mp), torch.float32),
