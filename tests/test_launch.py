@@ -306,7 +306,7 @@ def test_kernel_launches_per_sublayer(monkeypatch, small):
     from mhc_megatron.kernels.triton_common import TILES
 
     if not small:  # every input counts as large
-        monkeypatch.setattr(TILES, "maps_agg", (0, TILES.maps_agg[1]))
+        monkeypatch.setattr(TILES, "maps_agg", (0, *TILES.maps_agg[1:]))
     calls = []
     original = Launcher.__call__
 

@@ -4,11 +4,12 @@
 (Triton kernels, bf16, with and without ``mhc_recompute``) and digests the loss's bits and
 every parameter gradient's bytes. ``tests/golden/model_step_digest.json`` holds the digests
 of the code before its host path was made faster (launch keys, the direct C launch, cached
-dispatch), computed on the GPU named in it (an H200, where the code after the change gave
-the same digests in the same run): the current code must give the same bits there. On
-another GPU the test is skipped (Triton compiles per architecture, and cuBLAS may pick other
-GEMM kernels on another model); regenerate the file there with the script, from a revision
-known to be right.
+dispatch), computed on the GPU and with the torch and triton versions named in it (an H200, where the
+code after the change gave the same digests in the same run): the current code must give
+the same bits there. Elsewhere the test is skipped (Triton compiles per architecture and
+version, cuBLAS may pick other GEMM kernels on another GPU model); there, run the script from
+the code before and after a change and compare, or regenerate the file from a revision known
+to be right.
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ SCRIPT = ROOT / "tests" / "gpu_child" / "model_step_digest.py"
 @needs_gpu
 def test_model_step_bits_equal_the_golden(tmp_path):
     golden = json.loads(GOLDEN.read_text())
-    here = (torch.cuda.get_device_name(), list(torch.cuda.get_device_capability()))
-    if here != (golden["device"], golden["capability"]):
-        pytest.skip(f"the golden digests are for {golden['device']} (compute capability "
-                    f"{golden['capability']}); this GPU is {here[0]} ({here[1]})")
+    import triton
+
+    here = (torch.cuda.get_device_name(), list(torch.cuda.get_device_capability()),
+            {"torch": torch.__version__, "triton": triton.__version__})
+    want = (golden["device"], golden["capability"], golden["versions"])
+    if here != want:
+        pytest.skip(f"the golden digests are for {want}; this is {here}: run "
+                    "tests/gpu_child/model_step_digest.py from the code before and after a "
+                    "change on this GPU and compare")
     out = tmp_path / "digest.json"
     run = run_child([sys.executable, str(SCRIPT), str(out)], child_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-4000:]

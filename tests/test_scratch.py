@@ -50,6 +50,18 @@ def test_fresh_while_a_cuda_graph_is_captured():
     assert captured is not eager and captured is not scratch.tensors(DEV)[0]
 
 
+def test_the_least_recently_used_sets_go_past_the_budget(monkeypatch):
+    monkeypatch.setattr(triton_common, "SCRATCH_BUDGET", 2 * 16)
+    monkeypatch.setattr(triton_common, "_SCRATCH_HELD", type(triton_common._SCRATCH_HELD)())
+    a, b, c = (Scratch(((4,), torch.float32)) for _ in range(3))  # 16 bytes a set
+    first_a = a.tensors(DEV)[0]
+    b.tensors(DEV)
+    assert a.tensors(DEV)[0] is first_a  # both fit; a is now the most recent
+    c.tensors(DEV)  # over the budget: b, the least recently used, goes
+    assert a.tensors(DEV)[0] is first_a and not b._sets and c._sets
+    assert sum(triton_common._SCRATCH_HELD.values()) <= 2 * 16
+
+
 def _sublayer(t, n, c, seed):
     """pre + combine forward and backward: outputs and every gradient."""
     g = torch.Generator().manual_seed(seed)
@@ -65,15 +77,30 @@ def _sublayer(t, n, c, seed):
                                          alpha.grad, bias.grad)]
 
 
-def test_reused_temporaries_carry_nothing_over(monkeypatch):
-    """The same calls with reused and with fresh temporaries, interleaved with calls on other
-    inputs of the same shape (which leave their values in the reused set): the same bits."""
-    shape = (13, 4, 24)
+def _poison_reused_sets():
+    """NaN into every reused temporary: a kernel that read an element its op did not write
+    first would carry it into the results."""
+    for entry in triton_common.PLANS.values():
+        for tensors in getattr(getattr(entry, "scratch", None), "_sets", {}).values():
+            for t in tensors:
+                t.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("shape", [(13, 4, 24), (70, 4, 300), (40, 8, 40)],
+                         ids=["one-split", "splits", "n8"])
+def test_reused_temporaries_carry_nothing_over(monkeypatch, shape):
+    """The same calls with reused and with fresh temporaries, the reused ones filled with NaN
+    before every call and shared with calls on other inputs of the same shape: the same bits.
+    The shapes split the projection, dH_pre and the dx pass over several programs (and pad
+    the mapping columns) as the plans do."""
     monkeypatch.setattr(triton_common, "SCRATCH_LIMIT", 0)  # fresh every call
     triton_common.PLANS.clear()
     fresh = [_sublayer(*shape, seed) for seed in (0, 1)]
     monkeypatch.setattr(triton_common, "SCRATCH_LIMIT", 64 << 20)
     triton_common.PLANS.clear()
     for seed in (0, 1, 0, 1):
+        _poison_reused_sets()
         for want, got in zip(fresh[seed], _sublayer(*shape, seed)):
             assert torch.equal(want, got)
+    assert any(getattr(getattr(p, "scratch", None), "_sets", None)
+               for p in triton_common.PLANS.values())  # the sets were reused

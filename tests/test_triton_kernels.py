@@ -106,8 +106,9 @@ def test_aggregate_in_the_mapping_kernel_changes_no_bit(monkeypatch, t, n, c, dt
         x = x[:, 0].contiguous().view(t, 1, c).expand(t, n, c)
         assert triton_common.streams_operand(x)[1]
     runs = []
-    for elements in (1 << 62, 0):  # in the mapping kernel; in the aggregate's own kernel
-        monkeypatch.setattr(TILES, "maps_agg", (elements, TILES.maps_agg[1]))
+    step = TILES.maps_agg[2]
+    for bound in (1 << 62, 0):  # in the mapping kernel; in the aggregate's own kernel
+        monkeypatch.setattr(TILES, "maps_agg", (bound, bound, step))
         with torch.no_grad():
             runs.append(triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6,
                                        form=MappingForm(form, 1e-6, form == "deepseek_v4")))

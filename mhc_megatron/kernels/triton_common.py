@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -298,8 +299,9 @@ class KernelTiles:
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
     target_programs: int = 512
     maps: tuple = (16, 1)                   # per-token mapping math (Sinkhorn): (tokens, warps)
-    maps_agg: tuple = (1 << 20, 128)        # pre's aggregate inside the mapping kernel for x of
-    #                                         at most this many elements: (elements, channels)
+    maps_agg: tuple = (1 << 20, 8192, 128)  # pre's aggregate inside the mapping kernel for x of
+    #                  at most this many elements, n*C at most this wide: (elements, n*C, channels
+    #                  a step; one warp a program walks n*C for each of its tokens)
     head: tuple = (64, 4)                   # output head's per-token weights: (tokens, warps)
     sweep: tuple = (8, 1024, 8)             # aggregate, dH_pre: (tokens, n*channels, warps)
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
@@ -309,9 +311,12 @@ class KernelTiles:
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         PLANS.clear()  # launch plans are derived from the tiles
+        _SCRATCH_HELD.clear()  # and their temporaries go with them
 
 
 PLANS: dict = {}  # launch plans of the ops by (op, shape, dtype, precision): see plan()
+# the reused temporaries' sets (Scratch): (Scratch, key) -> bytes, least recently used first
+_SCRATCH_HELD: OrderedDict = OrderedDict()
 TILES = KernelTiles()
 
 
@@ -333,36 +338,52 @@ class Scratch:
     call's, so a set is never in use twice at once. Fresh tensors while a CUDA graph is being
     captured (they then belong to the graph's memory pool), while ``torch.compile`` traces, and
     for a plan whose temporaries exceed ``SCRATCH_LIMIT`` bytes (large inputs: the GPU time
-    dwarfs an allocation's host time there). The sets live as long as the plan (see
-    :func:`plan`)."""
+    dwarfs an allocation's host time there). The sets of all plans together hold at most
+    ``SCRATCH_BUDGET`` bytes: past it the least recently used sets are dropped (inputs whose
+    token count keeps changing, as in inference, make a plan per count)."""
 
-    __slots__ = ("specs", "reuse", "_sets")
+    __slots__ = ("specs", "nbytes", "reuse", "_sets")
 
     def __init__(self, *specs: tuple[tuple[int, ...], torch.dtype]):
         self.specs = specs
-        nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
-        self.reuse = nbytes <= SCRATCH_LIMIT
+        self.nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs)
+        self.reuse = self.nbytes <= SCRATCH_LIMIT
         self._sets: dict = {}
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        if self.reuse and not _compiling():
-            if device.type != "cuda":
-                key = device.type
-            elif torch.cuda.is_current_stream_capturing():
-                return self._fresh(device)
-            else:
-                key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-            found = self._sets.get(key)
-            if found is None:
-                found = self._sets[key] = self._fresh(device)
-            return found
-        return self._fresh(device)
+        if not self.reuse or _compiling():
+            return self._fresh(device)
+        if device.type != "cuda":
+            key = device.type
+        elif torch.cuda.is_current_stream_capturing():
+            return self._fresh(device)
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            key = (index, torch._C._cuda_getCurrentRawStream(index))
+        found = self._sets.get(key)
+        if found is None:
+            found = self._sets[key] = self._fresh(device)
+            _SCRATCH_HELD[(self, key)] = self.nbytes
+            _drop_least_recent_scratch()
+        else:
+            _SCRATCH_HELD.move_to_end((self, key))
+        return found
 
     def _fresh(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(shape, device=device, dtype=dtype) for shape, dtype in self.specs)
 
 
 SCRATCH_LIMIT = 64 << 20  # bytes of one plan's temporaries reused (see Scratch)
+SCRATCH_BUDGET = 256 << 20  # bytes of all the reused sets together
+
+
+def _drop_least_recent_scratch() -> None:
+    """Drop the least recently used scratch sets while they hold more than SCRATCH_BUDGET (the
+    newest set stays). A dropped set's memory goes back to torch's allocator, which hands it
+    out again only after the kernels queued on its stream have used it."""
+    while len(_SCRATCH_HELD) > 1 and sum(_SCRATCH_HELD.values()) > SCRATCH_BUDGET:
+        (scratch, key), _ = _SCRATCH_HELD.popitem(last=False)
+        scratch._sets.pop(key, None)
 
 
 def _sweep_bc(n: int, C: int) -> int:

@@ -189,9 +189,10 @@ class _PreForwardPlan:
                               INTERPRETED=_INTERPRETED, X_BCAST=bcast, num_warps=warps,
                               num_stages=stages)
         map_bt, map_warps = TILES.maps
-        agg_elements, agg_bc = TILES.maps_agg
+        agg_elements, agg_width, agg_bc = TILES.maps_agg
         self.map_grid = (cdiv(T, map_bt),)
-        self.map_agg = T * self.K <= agg_elements  # the aggregate in the mapping kernel
+        # the aggregate in the mapping kernel (small inputs, not too wide)
+        self.map_agg = T * self.K <= agg_elements and self.K <= agg_width
         self.map_meta = Meta(N=n, MP=self.mp, BT=map_bt, DSV4=dsv4, TRANSPOSED=transposed,
                              HAS_AGG=self.map_agg, BC=min(agg_bc, next_pow2(C)), X_BCAST=bcast,
                              num_warps=map_warps)

@@ -7,8 +7,8 @@ deterministic attention, Triton kernels), one forward and backward of a fixed ba
 without and once with ``mhc_recompute``. Per run: the loss's bits and a SHA-256 of every
 parameter gradient's bytes. The step is run twice per process and must repeat bit for bit,
 so the digests are a fact of the code and the GPU architecture, not of the run. Prints the
-JSON (and writes it to OUT.json): ``{"device", "capability", "runs": {name: {"loss",
-"grads": {param: sha256}}}}``. Imports the package from the working directory, so it also
+JSON (and writes it to OUT.json): ``{"device", "capability", "versions": {"torch",
+"triton"}, "runs": {name: {"loss", "grads": {param: sha256}}}}``. Imports the package from the working directory, so it also
 digests another revision of the code checked out elsewhere (run from there).
 """
 
@@ -81,8 +81,12 @@ def digests() -> dict:
         if first != again:
             raise RuntimeError(f"{name}: the step does not repeat bit for bit on this GPU")
         runs[name] = first
+    import triton
+
     return {"device": torch.cuda.get_device_name(),
-            "capability": list(torch.cuda.get_device_capability()), "runs": runs}
+            "capability": list(torch.cuda.get_device_capability()),
+            "versions": {"torch": torch.__version__, "triton": triton.__version__},
+            "runs": runs}
 
 
 def main():
