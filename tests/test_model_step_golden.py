@@ -2,14 +2,14 @@
 
 ``tests/gpu_child/model_step_digest.py`` runs one forward and backward of a 4-layer mHC GPT
 (Triton kernels, bf16, with and without ``mhc_recompute``) and digests the loss's bits and
-every parameter gradient's bytes. ``tests/golden/model_step_digest.json`` holds the digests
-of the code before its host path was made faster (launch keys, the direct C launch, cached
-dispatch), computed on the GPU and with the torch and triton versions named in it (an H200, where the
-code after the change gave the same digests in the same run): the current code must give
-the same bits there. Elsewhere the test is skipped (Triton compiles per architecture and
+every parameter gradient's bytes. ``tests/golden/model_step_digest.json`` holds the digests of
+the code before its host path was made faster (launch keys, the direct C launch, cached
+dispatch), computed on the GPU and with the torch and triton versions named in it (an H200,
+where the code after the change gave the same digests in the same run): the current code must
+give the same bits there. Elsewhere the test is skipped (Triton compiles per architecture and
 version, cuBLAS may pick other GEMM kernels on another GPU model); there, run the script from
-the code before and after a change and compare, or regenerate the file from a revision known
-to be right.
+the code before and after a change and compare, or regenerate the file from a revision known to
+be right.
 """
 
 from __future__ import annotations

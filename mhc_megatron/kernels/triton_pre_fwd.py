@@ -1,14 +1,14 @@
 """The forward kernels of the fused Triton "pre" op (:mod:`~mhc_megatron.kernels.triton_pre`)
 and their launch plans.
 
-``_proj_partial`` (projection ``x @ phi^T`` with ``tl.dot`` and the sum of squares, on a
-(token block x K split) grid walked from the last tokens down), ``_mappings_fwd`` (per
-token: sum of the partials, RMS, sigmoids, Sinkhorn in registers: the paper's log-domain one
-or DeepSeek-V4's; for small inputs also the aggregate of its tokens, one launch fewer where
-a step is bound by host time), ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x
-channel) grid walked up): each starts on the token rows the kernel before it read or wrote
-last, still in L2 (:func:`~mhc_megatron.kernels.triton_common.token_rows`). ``x [T, n, C]`` (or one broadcast
-row a token, ``X_BCAST``), ``phi [m, n*C]`` (``m = 2n + n^2``), mappings fp32.
+``_proj_partial`` (projection ``x @ phi^T`` with ``tl.dot`` and the sum of squares, on a (token
+block x K split) grid walked from the last tokens down), ``_mappings_fwd`` (per token: sum of
+the partials, RMS, sigmoids, Sinkhorn in registers: the paper's log-domain one or
+DeepSeek-V4's; for small inputs also the aggregate of its tokens, one launch fewer where a step
+is bound by host time), ``_aggregate_fwd`` (``y = sum_i H_pre[i] x[i]`` on a (token x channel)
+grid walked up): each starts on the token rows the kernel before it read or wrote last, still
+in L2 (:func:`~mhc_megatron.kernels.triton_common.token_rows`). ``x [T, n, C]`` (or one
+broadcast row a token, ``X_BCAST``), ``phi [m, n*C]`` (``m = 2n + n^2``), mappings fp32.
 
 Host side: the launch shapes of a (T, n, C, dtype) (:class:`_PreForwardPlan`,
 :class:`_AggregatePlan`, computed once by

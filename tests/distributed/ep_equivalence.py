@@ -6,16 +6,16 @@ Run: MHC_DIST_DEVICE=cpu|cuda torchrun --nproc-per-node=2 tests/distributed/ep_e
 Two ranks, each with its own micro-batch (EP is carved out of data parallelism). EP=1: both
 ranks hold all 4 experts and the same weights; each runs fwd+bwd on its batch, and the sum of
 the two ranks' gradients is the reference (what DP's all-reduce forms). EP=2: rank r holds
-experts 2r and 2r+1 (copied from the EP=1 model), the token dispatcher sends every token to
-the rank of its experts (allgather; also alltoall on GPUs: it needs CUDA streams). Megatron's
-own finalize step is not needed for the check: the dense (non-expert) grads are summed over
-the two ranks as DP would, and each local expert's grad, which already holds both ranks'
-tokens, must equal the reference grad of that global expert. Per-rank losses must equal the
-EP=1 losses of the same batch. With and without mHC recompute; with TE specs the experts run
-TE's grouped GEMM; with ``single_grouped`` the experts' weights are TE's single grouped
-weight instead (bf16, bounded by bf16's own rounding: ``check_single_grouped``). The same comparison without mHC runs first for each
-dispatcher (and weight layout): its errors, the layout's own rounding, are printed beside
-mHC's on the PASS line.
+experts 2r and 2r+1 (copied from the EP=1 model), the token dispatcher sends every token to the
+rank of its experts (allgather; also alltoall on GPUs: it needs CUDA streams). Megatron's own
+finalize step is not needed for the check: the dense (non-expert) grads are summed over the two
+ranks as DP would, and each local expert's grad, which already holds both ranks' tokens, must
+equal the reference grad of that global expert. Per-rank losses must equal the EP=1 losses of
+the same batch. With and without mHC recompute; with TE specs the experts run TE's grouped
+GEMM; with ``single_grouped`` the experts' weights are TE's single grouped weight instead
+(bf16, bounded by bf16's own rounding: ``check_single_grouped``). The same comparison without
+mHC runs first for each dispatcher (and weight layout): its errors, the layout's own rounding,
+are printed beside mHC's on the PASS line.
 """
 
 from __future__ import annotations

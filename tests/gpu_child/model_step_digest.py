@@ -2,13 +2,13 @@
 
     python tests/gpu_child/model_step_digest.py [OUT.json]
 
-A 4-layer mHC GPT (n=4, bf16, hidden 512, Megatron's local modules with its own
-deterministic attention, Triton kernels), one forward and backward of a fixed batch, once
-without and once with ``mhc_recompute``. Per run: the loss's bits and a SHA-256 of every
-parameter gradient's bytes. The step is run twice per process and must repeat bit for bit,
-so the digests are a fact of the code and the GPU architecture, not of the run. Prints the
-JSON (and writes it to OUT.json): ``{"device", "capability", "versions": {"torch",
-"triton"}, "runs": {name: {"loss", "grads": {param: sha256}}}}``. Imports the package from the working directory, so it also
+A 4-layer mHC GPT (n=4, bf16, hidden 512, Megatron's local modules with its own deterministic
+attention, Triton kernels), one forward and backward of a fixed batch, once without and once
+with ``mhc_recompute``. Per run: the loss's bits and a SHA-256 of every parameter gradient's
+bytes. The step is run twice per process and must repeat bit for bit, so the digests are a fact
+of the code and the GPU architecture, not of the run. Prints the JSON (and writes it to
+OUT.json): ``{"device", "capability", "versions": {"torch", "triton"}, "runs": {name: {"loss",
+"grads": {param: sha256}}}}``. Imports the package from the working directory, so it also
 digests another revision of the code checked out elsewhere (run from there).
 """
 
