@@ -72,6 +72,7 @@ PROMPT_LENGTHS = (5, 9, 3)  # batch 3; the longest prompt + NEW_TOKENS <= SEQ
 # steps, so its prefill shares a forward pass with the decodes of requests 0 and 1.
 CONTEXT_REQUESTS = {0: (5, 14), 1: (9, 12), 2: (3, 10)}
 JOIN_AFTER = {2: 2}
+HEAD_DIM = 64
 BLOCK_TOKENS = 256  # FlashAttention's paged KV cache (FA2) takes blocks of multiples of 256
 
 
@@ -128,12 +129,16 @@ def _inference_mode_off():
 
 
 def _model(kind: str, mhc: bool, device, **config):
-    """A bf16 GPT (3 layers, width 32, vocab ``VOCAB``) in eval mode; with mHC the mapping
-    biases moved off their symmetric initial values (as in tests/test_inference.py)."""
-    cfg = tiny_config(num_layers=3, params_dtype=torch.bfloat16, bf16=True,
+    """A bf16 GPT (3 layers, width 32, 4 heads of 64 channels, vocab ``VOCAB``) in eval mode;
+    with mHC the mapping biases moved off their symmetric initial values (as in
+    tests/test_inference.py). Heads of 64: FlashAttention's paged kernel (FA4 on Hopper) takes
+    head dimensions of multiples of 16 only."""
+    cfg = tiny_config(num_layers=3, kv_channels=HEAD_DIM, params_dtype=torch.bfloat16, bf16=True,
                       mhc_kernel_backend="triton", enable_hyper_connections=mhc,
                       **KINDS[kind], **config)
-    model = build_gpt(cfg, device).eval()
+    # bf16 throughout, as Megatron's Float16Module casts a model (mapping parameters as the
+    # config says)
+    model = build_gpt(cfg, device).bfloat16().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "hyper_connection.bias" in name:
