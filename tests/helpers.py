@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,22 @@ def te_single_grouped_weight_unsupported() -> str | None:
             f"is {torch.cuda.get_device_name()} (capability "
             f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) with cuBLASLt "
             f"{v // 10000}.{v // 100 % 100}.{v % 100}")
+
+
+def single_grouped_step(mhc: bool, timeout: int = 300) -> tuple[dict | None, str]:
+    """One forward + backward of the tiny MoE GPT with TE's single grouped expert weight on
+    one GPU, in a child process (``tests/gpu_child/single_grouped_step.py``; a fault in TE's
+    grouped-tensor GEMM can leave the CUDA context unusable): ``(result, "")`` where it ran,
+    ``(None, error)`` with the child's last error line (or the tail of its output) where not."""
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_child",
+                         "single_grouped_step.py")
+    run = run_child([sys.executable, child, str(int(mhc))], child_env(), timeout)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    if run.returncode == 0 and lines:
+        return json.loads(lines[-1][len("RESULT "):]), ""
+    errors = [ln.strip() for ln in run.stdout.splitlines()
+              if re.search(r"(Error|error):? \S", ln) and "ChildFailedError" not in ln]
+    return None, (errors[-1] if errors else run.stdout[-1500:])
 
 
 def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:

@@ -17,7 +17,13 @@ import re
 
 import pytest
 import torch
-from helpers import HAVE_TE, child_env, run_ranks, te_single_grouped_weight_unsupported
+from helpers import (
+    HAVE_TE,
+    child_env,
+    run_ranks,
+    single_grouped_step,
+    te_single_grouped_weight_unsupported,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,6 +90,10 @@ def test_expert_parallel_single_grouped_weight(tmp_path):
     reason = te_single_grouped_weight_unsupported()
     if reason is not None:
         pytest.skip(reason)
+    base, base_error = single_grouped_step(mhc=False)  # Megatron's own model, one GPU
+    if base is None:
+        pytest.xfail("TE cannot run Megatron's own model with the single grouped expert weight "
+                     f"on this GPU: {base_error}")
     out = _torchrun("ep_equivalence.py", "cuda-te", "single_grouped")
     _expect(out, ["ep=2 dispatcher=alltoall single_grouped=True "])
     out = _torchrun("ckpt_reshard.py", "cuda-te", str(tmp_path), "single_grouped")
