@@ -162,8 +162,13 @@ def _max_rel(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+_DDP_RUNS: dict = {}  # (mhc, bf16) -> the DDP run every wrapper is compared with
+
+
 def compare(wrapper: str, mhc: bool, bf16: bool) -> dict:
-    losses, norms, weights, params, _ = _train("ddp", mhc, bf16, None)
+    if (mhc, bf16) not in _DDP_RUNS:
+        _DDP_RUNS[mhc, bf16] = _train("ddp", mhc, bf16, None)
+    losses, norms, weights, params, _ = _DDP_RUNS[mhc, bf16]
     losses2, norms2, _, params2, sharded = _train(wrapper, mhc, bf16, weights)
     assert sorted(params) == sorted(params2), sorted(set(params) ^ set(params2))
     errors = {n: harness.relative_error(params2[n], params[n]) for n in params}
