@@ -130,9 +130,15 @@ def single_grouped_step(mhc: bool, timeout: int = 300) -> tuple[dict | None, str
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     if run.returncode == 0 and lines:
         return json.loads(lines[-1][len("RESULT "):]), ""
-    errors = [ln.strip() for ln in run.stdout.splitlines()
-              if re.search(r"(Error|error):? \S", ln) and "ChildFailedError" not in ln]
-    return None, (errors[-1] if errors else run.stdout[-1500:])
+    return None, (last_error_line(run.stdout) or run.stdout[-1500:])
+
+
+def last_error_line(out: str) -> str:
+    """The last ``...Error: message`` line a process or rank printed (rank prefixes off;
+    torchrun's own ``ChildFailedError`` report left out), or ``""``."""
+    errors = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in out.splitlines()
+              if re.search(r"\b\w+Error: \S", line) and "ChildFailedError" not in line]
+    return errors[-1] if errors else ""
 
 
 def build_gpt(config, device=None, spec=None, te=False) -> GPTModel:

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from helpers import (LOCAL_MODULE_FLAGS, MHC_FLAGS, PRETRAIN_DEVICES, PRETRAIN_ITERS,
                      TINY_GPT_FLAGS, PretrainRun, SavedAtIteration3, assert_close, child_env,
-                     finish, needs_2_gpus, needs_4_gpus, needs_fused_adam, needs_gpu,
-                     needs_te_norms, pretrain, pretrain_cmd, run_child, shared_run, start,
-                     write_pretrain_corpus)
+                     finish, last_error_line, needs_2_gpus, needs_4_gpus, needs_fused_adam,
+                     needs_gpu, needs_te_norms, pretrain, pretrain_cmd, run_child, shared_run,
+                     start, write_pretrain_corpus)
 
 GOLDEN_DIR = Path(os.environ.get("MHC_GOLDEN_DIR", Path(__file__).resolve().parent / "golden"))
 ITERS = PRETRAIN_ITERS
@@ -267,14 +267,6 @@ def test_megatron_fsdp_resumes_gpu(corpus, tmp_path):
     _close(second.train, whole.train[-len(second.train):], rtol=1e-5)
 
 
-def _last_error(out: str) -> str:
-    """The last ``...Error: message`` line a rank printed (rank prefixes off; torchrun's own
-    ``ChildFailedError`` report left out)."""
-    errors = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in out.splitlines()
-              if re.search(r"\b\w+Error: \S", line) and "ChildFailedError" not in line]
-    return errors[-1] if errors else ""
-
-
 @needs_2_gpus
 def test_megatron_fsdp_swiglu_save_as_baseline_gpu(corpus, tmp_path):
     """A SwiGLU model under Megatron-FSDP saved at iteration 3 (``fsdp_dtensor``): mHC does what
@@ -291,9 +283,9 @@ def test_megatron_fsdp_swiglu_save_as_baseline_gpu(corpus, tmp_path):
         mhc.ok()
         assert sorted(mhc.logged) == [1, 2, 3]
         return
-    error = _last_error(base.out)
+    error = last_error_line(base.out)
     assert error and mhc.returncode != 0, (error, mhc.out[-3000:])
-    assert _last_error(mhc.out) == error, (_last_error(mhc.out), error)
+    assert last_error_line(mhc.out) == error, (last_error_line(mhc.out), error)
     assert mhc.out.count(error) >= 2, mhc.out[-3000:]  # both ranks
     pytest.xfail(f"Megatron-Core 0.19.2 cannot save this baseline either: {error}")
 
