@@ -161,23 +161,23 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, f, f_bias, h_res, h_post, link, n_streams=None):
         (x, bcast), f = streams_operand(x), f.contiguous()
-        T, n, C = as_tokens(x, n_streams).shape
+        x3 = as_tokens(x, n_streams)
+        T, n, C = x3.shape
         _check(x, n)
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
         out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         if T > 0:
-            _launch_combine(as_tokens(x, n_streams), f, f_bias, h_res, h_post, out, bcast)
+            _launch_combine(x3, f, f_bias, h_res, h_post, out, bcast)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
-        ctx.n_streams = n_streams
-        ctx.bcast = bcast
+        ctx.bcast, ctx.dims = bcast, (T, n, C)
         ctx.link = link
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, f, f_bias, h_res, h_post = ctx.saved_tensors
-        T, n, C = as_tokens(x, ctx.n_streams).shape
+        T, n, C = ctx.dims
         g = g.contiguous()
         fold = ctx.link is not None  # pre's dx pass forms H_res^T g: no dx here
         dx = None if fold else x.new_empty(x.shape)  # contiguous, also for a broadcast x
@@ -233,11 +233,12 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
                            "replay of a combine and the next aggregate. Fix: call it under "
                            "torch.no_grad(), or use combine and pre.")
     (x, bcast), f = streams_operand(x), f.contiguous()
-    T, n_streams, C = as_tokens(x, n).shape
+    x3 = as_tokens(x, n)
+    T, n_streams, C = x3.shape
     _check(x, n_streams)
     h_res, h_post, h_pre = contiguous_f32(h_res), contiguous_f32(h_post), contiguous_f32(h_pre)
     out = x.new_empty(x.shape)
     y = torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        _launch_combine(as_tokens(x, n), f, f_bias, h_res, h_post, out, bcast, h_pre, y)
+        _launch_combine(x3, f, f_bias, h_res, h_post, out, bcast, h_pre, y)
     return out, y

@@ -170,14 +170,13 @@ class _HeadFn(torch.autograd.Function):
                       p.splits, float(rms_eps), float(eps))
             _launch_aggregate(x3, w, y, bcast)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, w)
-        ctx.bcast = bcast
-        ctx.n_streams = n_streams
+        ctx.bcast, ctx.dims = bcast, (T, n, C)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, phi, alpha, bias, ht, rstd, w = ctx.saved_tensors
-        T, n, C = as_tokens(x, ctx.n_streams).shape
+        T, n, C = ctx.dims
         dev, f32 = x.device, torch.float32
         p = plan(_HeadBackwardPlan, T, n, C, x.dtype, forced_precision(), ctx.bcast)
         dphi = torch.empty(n, p.K, device=dev, dtype=phi.dtype)

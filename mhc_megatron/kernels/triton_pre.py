@@ -82,7 +82,7 @@ class _PreFn(torch.autograd.Function):
             if not p.map_agg:  # (small inputs: the mapping kernel formed y)
                 _launch_aggregate(x3, h_pre, y, bcast)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
-        ctx.bcast = bcast
+        ctx.bcast, ctx.dims = bcast, (T, n, C)
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
         ctx.link = link
@@ -93,7 +93,7 @@ class _PreFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh_pre, dh_post, dh_res):
         x, phi, alpha, bias, ht, rstd, h_pre = ctx.saved_tensors
-        T, n, C = as_tokens(x, ctx.n_streams).shape
+        T, n, C = ctx.dims
         dev, f32 = x.device, torch.float32
         g_combine = h_res_combine = None  # the combine's upstream gradient and H_res
         if ctx.link is not None and ctx.link.pending is not None:
