@@ -16,7 +16,7 @@ import torch
 import triton
 
 from mhc_megatron.kernels import launch
-from mhc_megatron.kernels.launch import Launcher, Meta, _arg_key, cdiv, next_pow2
+from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
 
 CUDA = torch.cuda.is_available()
 
@@ -27,6 +27,11 @@ def test_host_helpers_match_triton():
             assert cdiv(a, b) == math.ceil(a / b) == triton.cdiv(a, b)
     for n in range(1, 5000):
         assert next_pow2(n) == triton.next_power_of_2(n)
+
+
+def _arg_key(a):
+    """The launch key's part for one positional argument."""
+    return launch._launch_key(0, None, (a,))[2]
 
 
 def test_key_is_as_fine_as_tritons_specialisation():
@@ -42,7 +47,8 @@ def test_key_is_as_fine_as_tritons_specialisation():
     assert _arg_key(True) != _arg_key(1) and _arg_key(1.0) != _arg_key(1)  # equal, not alike
     assert _arg_key(1.5) == (float, 1.5) and _arg_key(None) == (type(None), None)
     key = launch._launch_key(0, Meta(N=4), (base, base[1:], 64, 1e-6, None))
-    assert key == (0, Meta(N=4), *map(_arg_key, (base, base[1:], 64, 1e-6, None)))
+    assert key == (0, Meta(N=4), (torch.float32, True), (torch.float32, False), (int, 64),
+                   (float, 1e-6), (type(None), None))
 
 
 def test_meta_hashes_by_value():

@@ -77,15 +77,9 @@ def fast_launch_supported() -> str | None:
     return None
 
 
-def _arg_key(a):
-    """The part of the launch key for one positional argument (see the module docstring)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    return type(a), a
-
-
 def _launch_key(device: int, meta, args) -> tuple:
-    """``(device, meta, *map(_arg_key, args))``, built inline (one launch key a launch)."""
+    """``(device, meta, *per-argument keys)``: a tensor's dtype and 16-byte alignment, any other
+    argument's type and value (see the module docstring)."""
     return (device, meta, *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
                             else (type(a), a) for a in args])
 
