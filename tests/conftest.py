@@ -13,6 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every launch by signature is checked against the per-argument key (kernels/launch.py), in
+# this process and in the child processes the tests start.
+os.environ.setdefault("MHC_CHECK_LAUNCH_SIGNATURES", "1")
 
 import pytest  # noqa: E402
 

@@ -198,6 +198,61 @@ def test_direct_c_launch_on_triton_3_6(fast_path_on, monkeypatch, scratch):
                                     None, None, x, 64, 4, 8))
 
 
+def test_signed_launch_keys_by_the_plan_and_signature(fast_path_on, monkeypatch):
+    """A launch by signature takes Triton's launcher the first time, then the compiled
+    kernel from the plan's table, without building the per-argument key; a signature names
+    one entry per (launcher, meta)."""
+    monkeypatch.setattr(launch, "CHECK_SIGNATURES", False)
+    fn = _FakeJit()
+    run = Launcher(fn)
+    plan, meta, x = launch.LaunchPlan(), Meta(N=4, BT=8, num_warps=4), torch.zeros(32)
+    sig = launch.signature(x, extra=(20,))
+    assert sig == (0, torch.float32, 20)
+    run.signed(plan, sig, (3,), meta, x, 64)
+    assert fn.log[-1][0] == "triton" and list(plan.launches) == [(run, meta, sig)]
+
+    def no_key(*args):
+        raise AssertionError("the per-argument key was built")
+
+    monkeypatch.setattr(launch, "_launch_key", no_key)
+    run.signed(plan, sig, (5,), meta, x, 64)
+    assert fn.log[-1] == ("direct", (5, 1, 1, 77, "fn", "meta", None, None, None, x, 64, 4, 8))
+    with pytest.raises(AssertionError, match="per-argument key"):
+        run.signed(plan, None, (5,), meta, x, 64)  # no signature: keyed by argument
+
+
+def test_signature_is_none_where_arguments_must_be_keyed(fast_path_on, monkeypatch):
+    """No signature for a misaligned tensor, with the direct path off, under torch.compile's
+    tracing or with a launch hook set: those launches go through the per-argument key or
+    Triton's own launcher."""
+    x = torch.zeros(64)
+    assert launch.signature(x, x.to(torch.bfloat16)) == (0, torch.float32, torch.bfloat16)
+    assert launch.signature(x, x[1:]) is None  # 4 bytes off a 16-byte boundary
+    monkeypatch.setattr(launch, "_compiling", lambda: True)
+    assert launch.signature(x) is None
+    monkeypatch.setattr(launch, "_compiling", lambda: False)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert launch.signature(x) is None
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(Launcher, "_disabled", "off for this test")
+    assert launch.signature(x) is None
+
+
+def test_signature_check_catches_a_signature_that_misses_an_argument(fast_path_on,
+                                                                      monkeypatch):
+    """With MHC_CHECK_LAUNCH_SIGNATURES=1 (the tests' setting) every signed launch also takes
+    the per-argument key: a signature that maps arguments Triton specialises apart (here 64
+    and 63, divisible by 16 or not) to one kernel raises instead of launching the wrong one."""
+    monkeypatch.setattr(launch, "CHECK_SIGNATURES", True)
+    fn = _FakeJit()
+    run = Launcher(fn)
+    plan, meta, x = launch.LaunchPlan(), Meta(N=4, BT=8), torch.zeros(32)
+    run.signed(plan, ("sig",), (1,), meta, x, 64)
+    run.signed(plan, ("sig",), (1,), meta, x, 64)  # the same kernel either way
+    with pytest.raises(AssertionError, match="misses an argument"):
+        run.signed(plan, ("sig",), (1,), meta, x, 63)
+
+
 def test_launcher_off_delegates(monkeypatch):
     monkeypatch.setattr(Launcher, "_disabled", "off for this test")
     fn = _FakeJit()
@@ -238,8 +293,10 @@ def test_direct_launch_equals_tritons_launcher(monkeypatch):
     monkeypatch.setattr(Launcher, "_disabled", None)
     first = _sublayer(0)  # may compile / fill the cache
     again = _sublayer(0)  # through the compiled kernels' launchers
-    for w, a, b in zip(want, first, again):
-        assert torch.equal(w, a) and torch.equal(w, b)
+    monkeypatch.setattr(launch, "CHECK_SIGNATURES", False)
+    signed = _sublayer(0)  # the launches by signature, as outside the tests
+    for w, a, b, s in zip(want, first, again, signed):
+        assert torch.equal(w, a) and torch.equal(w, b) and torch.equal(w, s)
     launchers = [v for mod in (triton_pre_fwd, triton_pre_bwd, triton_combine)
                  for v in vars(mod).values() if isinstance(v, Launcher)]
     assert len(launchers) == 9 and all(r.cached_kernels() > 0 for r in launchers)
@@ -314,13 +371,18 @@ def test_kernel_launches_per_sublayer(monkeypatch, small):
     if not small:  # every input counts as large
         monkeypatch.setattr(TILES, "maps_agg", (0, *TILES.maps_agg[1:]))
     calls = []
-    original = Launcher.__call__
+    original, original_signed = Launcher.__call__, Launcher.signed
 
     def counted(self, grid, meta, *args):
         calls.append(self.fn.__name__ if hasattr(self.fn, "__name__") else repr(self.fn))
         return original(self, grid, meta, *args)
 
+    def counted_signed(self, plan, sig, grid, meta, *args):
+        calls.append(self.fn.__name__ if hasattr(self.fn, "__name__") else repr(self.fn))
+        return original_signed(self, plan, sig, grid, meta, *args)
+
     monkeypatch.setattr(Launcher, "__call__", counted)
+    monkeypatch.setattr(Launcher, "signed", counted_signed)
     dev = "cuda" if CUDA else "cpu"
     n, c = 4, 16
     m = 2 * n + n * n
@@ -335,3 +397,62 @@ def test_kernel_launches_per_sublayer(monkeypatch, small):
     assert len(calls) == pre_launches + 1
     out.square().sum().backward()
     assert len(calls) == pre_launches + 6, calls
+
+
+@pytest.mark.skipif(CUDA, reason="CPU (interpreter) form of the check; on GPUs every launch "
+                                 "of the suite is checked (MHC_CHECK_LAUNCH_SIGNATURES=1)")
+def test_op_signatures_determine_the_argument_keys(monkeypatch):
+    """Every launch of pre, combine, the aggregate and the fused replay, forward and backward,
+    in each layout (streams, tokens, broadcast streams), with and without a bias, the fold or
+    not, fp32 and bf16, several token counts and Sinkhorn iterations, misaligned inputs:
+    wherever two launches share (launcher, meta, signature) they share the per-argument key
+    too (the key is at least as fine as Triton's specialisation), so the kernel a signature
+    names is the one Triton would pick. The kernels run in the interpreter; the check mode
+    compares the keys."""
+    from mhc_megatron.kernels import triton_common, triton_mhc
+
+    interned: dict = {}
+
+    def keyed_launch(self, grid, meta, args):  # Launcher._launch, keys as the entries
+        self.fn[grid](*args, **meta.kwargs)
+        key = launch._launch_key(0, meta, args)
+        return interned.setdefault(key, key)
+
+    monkeypatch.setattr(Launcher, "_launch", keyed_launch)
+    monkeypatch.setattr(Launcher, "_disabled", None)
+    monkeypatch.setattr(launch, "CHECK_SIGNATURES", True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(triton_common, "PLANS", {})  # these plans' tables hold keys
+
+    g = torch.Generator().manual_seed(0)
+    f32, bf16 = torch.float32, torch.bfloat16
+    cases = [(f32, 16, 32, 20, layout, with_bias)
+             for layout in ("streams", "tokens", "broadcast", "misaligned")
+             for with_bias in (False, True)]
+    cases += [(bf16, 16, 32, 20, "streams", True), (f32, 7, 24, 1, "streams", False),
+              (f32, 16, 32, 3, "streams", False), (bf16, 16, 32, 3, "broadcast", False)]
+    n = 4
+    m = 2 * n + n * n
+    for dtype, t, c, iters, layout, with_bias in cases:
+        rows = torch.randn(t, c, generator=g).to(dtype)
+        if layout == "broadcast":
+            x, n_arg = rows.view(t, 1, c).expand(t, n, c), None
+        elif layout == "misaligned":
+            buf = torch.randn(t * n * c + 1, generator=g).to(dtype)
+            x, n_arg = buf[1:].view(t, n * c), n
+        else:
+            x = torch.randn(t, n, c, generator=g).to(dtype)
+            x, n_arg = (x.view(t, n * c), n) if layout == "streams" else (x, None)
+        x.requires_grad_()
+        phi = (0.05 * torch.randn(m, n * c, generator=g)).requires_grad_()
+        alpha = torch.full((3,), 0.5, requires_grad=True)
+        bias = torch.zeros(m, requires_grad=True)
+        f_bias = torch.randn(c, generator=g).to(dtype) if with_bias else None
+        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, iters, 1e-6, n=n_arg)
+        out = triton_mhc.combine(x, y * 1.5, f_bias, h_res, h_post, n=n_arg)
+        (out.float().square().sum() + y.float().sum()).backward()
+        with torch.no_grad():
+            triton_mhc.aggregate(x, h_pre, n=n_arg)
+            triton_mhc.combine_aggregate(x, y, f_bias, h_res, h_post, h_pre, n=n_arg)
+    signed = [k for p in triton_common.PLANS.values() for k in p.launches]
+    assert len(signed) > 20  # the signed launches ran (and were checked)

@@ -484,16 +484,20 @@ def test_dx_pass_drops_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch)
         if meta.kwargs["LOOP_STAGES"] > fits:
             raise OutOfResources(300000, 232448, "shared memory")
 
-    monkeypatch.setattr(triton_pre_bwd, "_DX_DPHI", launch)
+    class _Launcher:  # stands in for the kernel's Launcher
+        def signed(self, plan, sig, grid, meta, *args):
+            launch(grid, meta, *args)
+
+    monkeypatch.setattr(triton_pre_bwd, "_DX_DPHI", _Launcher())
     try:
         fits = 1
-        triton_pre_bwd._launch_dx_dphi(p, "args")
+        triton_pre_bwd._launch_dx_dphi(p, None, "args")
         assert tried == [3, 2, 1] and p.dx_meta.kwargs["LOOP_STAGES"] == 1
         assert p.dx_meta.kwargs["num_stages"] == 1
-        triton_pre_bwd._launch_dx_dphi(p, "args")  # the plan keeps what fit
+        triton_pre_bwd._launch_dx_dphi(p, None, "args")  # the plan keeps what fit
         assert tried == [3, 2, 1, 1]
         fits = 0
         with pytest.raises(OutOfResources):
-            triton_pre_bwd._launch_dx_dphi(p, "args")
+            triton_pre_bwd._launch_dx_dphi(p, None, "args")
     finally:
         p.dx_meta = old_meta

@@ -21,6 +21,15 @@ Where the compiled kernel needs no scratch memory and triton's launcher layout i
 (:data:`_DIRECT_C_LAUNCH`), the compiled module's C ``launch`` is called directly, without
 the Python wrapper that allocates scratch.
 
+A launch plan's own launches can skip even that key (:meth:`Launcher.signed`): the plan
+fixes every integer argument, the constexprs and the temporaries (fresh ``torch.empty``
+tensors, 16-byte aligned, of dtypes the plan chose), so what is left to key on is the
+device and the dtypes of the tensors the op was given, and whether they are all aligned
+(:func:`signature`, computed once per op call for all of its launches). Such keys live in
+the plan (``LaunchPlan.launches``) and go with it. ``MHC_CHECK_LAUNCH_SIGNATURES=1`` (the
+tests) takes the per-argument key on every launch and raises if a signature ever names a
+kernel other than the one that key names.
+
 Also here: ``cdiv`` and ``next_pow2`` for host code. ``triton.cdiv`` and
 ``triton.next_power_of_2`` are ``constexpr_function``s in triton 3.6: called from Python
 each unwraps its arguments through Triton's constexpr machinery (~3 us a call).
@@ -77,6 +86,36 @@ def fast_launch_supported() -> str | None:
     return None
 
 
+CHECK_SIGNATURES = os.environ.get("MHC_CHECK_LAUNCH_SIGNATURES", "0") == "1"
+
+
+def signature(*tensors, extra: tuple = ()) -> tuple | None:
+    """The launch signature of an op call whose kernels take ``tensors`` (every tensor the op
+    was given and passes to a kernel, not those it allocates) besides its plan's own:
+    ``(device, dtype of each, *extra)`` (``extra``: the op's integer arguments that its plan
+    does not fix), or None where the direct path is off or a tensor is not 16-byte aligned
+    (:meth:`Launcher.signed` then keys by argument), and where ``torch.compile`` traces or a
+    launch hook is set (Triton's own launcher runs)."""
+    if ((Launcher._disabled is not None and Launcher._off_reason() is not None) or _compiling()
+            or _launch_hooks()):
+        return None
+    address = 0
+    for t in tensors:
+        address |= t.data_ptr()
+    if address & 15:
+        return None
+    return (torch._C._cuda_getDevice(), *[t.dtype for t in tensors], *extra)
+
+
+class LaunchPlan:
+    """Base of the ops' launch plans (:func:`~mhc_megatron.kernels.triton_common.plan`):
+    ``launches`` holds the compiled kernels its launches took, by (launcher, meta,
+    signature) (:meth:`Launcher.signed`)."""
+
+    def __init__(self):
+        self.launches: dict = {}
+
+
 def _launch_key(device: int, meta, args) -> tuple:
     """``(device, meta, *per-argument keys)``: a tensor's dtype and 16-byte alignment, any other
     argument's type and value (see the module docstring)."""
@@ -129,39 +168,64 @@ class Launcher:
         return cls._disabled
 
     def __call__(self, grid, meta: Meta, *args) -> None:
+        self._launch(grid, meta, args)
+
+    def signed(self, plan: LaunchPlan, sig: tuple | None, grid, meta: Meta, *args) -> None:
+        """``self(grid, meta, *args)`` for a launch of ``plan`` (its grid, its ``meta``, its
+        integer arguments and temporaries) by an op call whose :func:`signature` is ``sig``:
+        the kernel taken for (self, meta, sig) once is taken from ``plan.launches`` from then
+        on, without a per-argument key. ``sig`` None keys by argument."""
+        if sig is not None and not CHECK_SIGNATURES:
+            entry = plan.launches.get((self, meta, sig))
+            if entry is not None:  # (sig: the direct path is on, no tracing, no hooks)
+                launch, prefix, tail = entry
+                launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                       torch._C._cuda_getCurrentRawStream(sig[0]), *prefix, *args, *tail)
+                return
+        entry = self._launch(grid, meta, args)
+        if sig is not None and entry is not None:
+            known = plan.launches.setdefault((self, meta, sig), entry)
+            if known is not entry:
+                raise AssertionError(
+                    f"launch signature {sig} of {getattr(self.fn, '__name__', self.fn)} named a "
+                    "kernel other than its arguments' key does: the op's signature misses an "
+                    "argument that Triton specialises on")
+
+    def _launch(self, grid, meta: Meta, args):
+        """Launch; return the cache entry that launched, or None (Triton's own launcher)."""
         if (Launcher._disabled is not None and self._off_reason() is not None) or _compiling():
             self.fn[grid](*args, **meta.kwargs)  # (torch.compile traces Triton's launch form)
-            return
-        knobs = triton.knobs.runtime
-        if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
+            return None
+        if _launch_hooks():
             self.fn[grid](*args, **meta.kwargs)  # a profiler's hooks: Triton's path calls them
-            return
+            return None
         device = torch._C._cuda_getDevice()
         key = _launch_key(device, meta, args)
         try:
             entry = self._cache.get(key)
         except TypeError:  # an unhashable argument: Triton's launcher, every time
             self.fn[grid](*args, **meta.kwargs)
-            return
+            return None
         if entry is None:
-            self._first_launch(key, grid, meta, args)
-            return
+            return self._first_launch(key, grid, meta, args)
         launch, prefix, tail = entry
         launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                torch._C._cuda_getCurrentRawStream(device), *prefix, *args, *tail)
+        return entry
 
-    def _first_launch(self, key, grid, meta: Meta, args) -> None:
+    def _first_launch(self, key, grid, meta: Meta, args):
         kernel = self.fn[grid](*args, **meta.kwargs)  # compiles if needed, launches
         if kernel is None:
-            return
+            return None
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
         tail_names = self.param_names[len(args):]
         if (not self.param_names or any(n not in meta.kwargs for n in tail_names)
                 or pre_run_hooks(self.fn)):
-            return  # a defaulted parameter or a hook: keep Triton's launcher for this key
+            return None  # a defaulted parameter or a hook: keep Triton's launcher for this key
         tail = tuple(meta.kwargs[n] for n in tail_names)
-        self._cache[key] = (*_compiled_launch(kernel), tail)
+        entry = self._cache[key] = (*_compiled_launch(kernel), tail)
+        return entry
 
     def cached_kernels(self) -> int:
         """How many compiled kernels this launcher calls directly (tests)."""
@@ -190,6 +254,12 @@ def _compiled_launch(kernel) -> tuple:
 # global_scratch, profile_scratch, *rest)`` and nothing else when both scratch sizes are 0
 # (read in their backends/nvidia/driver.py).
 _DIRECT_C_LAUNCH = ((3, 6),)
+
+
+def _launch_hooks() -> bool:
+    """Whether a launch enter or exit hook is set (see :func:`_hooked`)."""
+    knobs = triton.knobs.runtime
+    return _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)
 
 
 def _hooked(hook) -> bool:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
+from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2, signature
 from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     TILES,
@@ -119,10 +119,11 @@ def _combine_bwd(g_ptr, x_ptr, f_ptr, fbias_ptr, hres_ptr, hpost_ptr,
 _FWD, _BWD = Launcher(_combine_fwd), Launcher(_combine_bwd)
 
 
-class _CombinePlan:
+class _CombinePlan(LaunchPlan):
     """Launch shapes of the combine, forward and backward, for ``x [T, n, C]`` (T > 0)."""
 
     def __init__(self, T: int, n: int, C: int, has_bias: bool, bcast: bool):
+        super().__init__()
         bt, bc, warps = TILES.combine_fwd
         bc = min(bc, next_pow2(C))
         self.fwd_grid = (cdiv(T, bt) * cdiv(C, bc),)  # token_rows
@@ -149,9 +150,13 @@ def _launch_combine(x, f, f_bias, h_res, h_post, out, bcast, h_next=None, y=None
     p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
     fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
     if h_next is None:  # HAS_AGG off: h_next / y unread
-        _FWD(p.fwd_grid, p.fwd_meta, x, f, fb, h_res, h_post, out, h_post, f, T, C)
+        sig = signature(x, f, fb, h_res, h_post)
+        _FWD.signed(p, sig, p.fwd_grid, p.fwd_meta, x, f, fb, h_res, h_post, out, h_post, f, T,
+                    C)
     else:
-        _FWD(p.fwd_grid, p.fwd_agg_meta, x, f, fb, h_res, h_post, out, h_next, y, T, C)
+        sig = signature(x, f, fb, h_res, h_post, h_next)
+        _FWD.signed(p, sig, p.fwd_grid, p.fwd_agg_meta, x, f, fb, h_res, h_post, out, h_next, y,
+                    T, C)
 
 
 class _CombineFn(torch.autograd.Function):
@@ -186,9 +191,10 @@ class _CombineFn(torch.autograd.Function):
         dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
         if T > 0:
             p = plan(_CombinePlan, T, n, C, f_bias is not None, ctx.bcast)
-            _BWD(p.bwd_grid, p.bwd_fold_meta if fold else p.bwd_meta, g, x, f,
-                 f_bias if f_bias is not None else f, h_res, h_post,
-                 g if fold else dx, df, dh_res, dh_post, T, C)  # (dx unwritten in a fold)
+            fb = f_bias if f_bias is not None else f
+            _BWD.signed(p, signature(g, x, f, fb, h_res, h_post), p.bwd_grid,
+                        p.bwd_fold_meta if fold else p.bwd_meta, g, x, f, fb, h_res, h_post,
+                        g if fold else dx, df, dh_res, dh_post, T, C)  # (dx unwritten in a fold)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df

@@ -168,7 +168,7 @@ class _HeadFn(torch.autograd.Function):
             _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _HEAD_FWD(p.head_grid, p.head_meta, part, part_ss, alpha, bias, w, ht, rstd, T, p.K,
                       p.splits, float(rms_eps), float(eps))
-            _launch_aggregate(x3, w, y, bcast)
+            _launch_aggregate(x3, w, y, bcast, None)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, w)
         ctx.bcast, ctx.dims = bcast, (T, n, C)
         return y
@@ -195,7 +195,7 @@ class _HeadFn(torch.autograd.Function):
         _DHPRE(p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
         _HEAD_BWD((p.map_programs,), p.head_meta, part, p.dh_splits, ht, rstd, alpha, bias,
                   red_part, dp, coef, T, p.K)
-        _launch_dx_dphi(p, x, dy, w, dp, coef, phi, x, w,  # (g, h_res unread: HAS_G off)
+        _launch_dx_dphi(p, None, x, dy, w, dp, coef, phi, x, w,  # (g, h_res unread: HAS_G off)
                         dx, dphi_part, T, C, p.dx_per)
         _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
                      p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)

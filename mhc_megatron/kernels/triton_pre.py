@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from mhc_megatron.kernels.handoff import DxLink
+from mhc_megatron.kernels.launch import signature
 from mhc_megatron.kernels.reference import PAPER, aggregate_shape, as_tokens
 from mhc_megatron.kernels.triton_common import (
     _check,
@@ -75,12 +76,14 @@ class _PreFn(torch.autograd.Function):
             p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
                      transposed)
             part, part_ss = p.scratch.tensors(dev)
-            _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
-            _MAPS_FWD(p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre, h_post, h_res,
-                      ht, rstd, x3, y, T, p.K, C, p.splits, float(eps), int(iters),
-                      float(form.eps))
+            sig = signature(x, phi, alpha, bias, extra=(int(iters),))
+            _PROJ.signed(p, sig, p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C,
+                         p.per)
+            _MAPS_FWD.signed(p, sig, p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre,
+                             h_post, h_res, ht, rstd, x3, y, T, p.K, C, p.splits, float(eps),
+                             int(iters), float(form.eps))
             if not p.map_agg:  # (small inputs: the mapping kernel formed y)
-                _launch_aggregate(x3, h_pre, y, bcast)
+                _launch_aggregate(x3, h_pre, y, bcast, sig)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
         ctx.bcast, ctx.dims = bcast, (T, n, C)
         ctx.iters = int(iters)
@@ -113,18 +116,21 @@ class _PreFn(torch.autograd.Function):
         dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
         dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         dp, coef, dphi_part, red_part, part = p.scratch.tensors(dev)  # dp: every column written
-        _DHPRE(p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
         hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
         dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
-        _MAPS_BWD((p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre, dh_post, dh_res, ht,
-                  rstd, alpha, bias, red_part, dp, coef, hist, T, p.K, ctx.iters, form_eps)
-        del hist
         fold = g_combine is not None
-        _launch_dx_dphi(p, x, dy, h_pre, dp, coef, phi,
+        sig = signature(x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
+                        *((g_combine, h_res_combine) if fold else ()), extra=(ctx.iters,))
+        _DHPRE.signed(p, sig, p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
+        _MAPS_BWD.signed(p, sig, (p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre,
+                         dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, p.K,
+                         ctx.iters, form_eps)
+        del hist
+        _launch_dx_dphi(p, sig, x, dy, h_pre, dp, coef, phi,
                         g_combine if fold else x, h_res_combine if fold else h_pre,  # unread
                         dx, dphi_part, T, C, p.dx_per)
-        _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
-                     p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
+        _PARAM_GRADS.signed(p, sig, p.grads_grid, p.grads_meta, dphi_part, red_part, dphi,
+                            dbias, dalpha, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
         return dx, dphi, dalpha, dbias, None, None, None, None, None
 
 
@@ -154,5 +160,6 @@ def aggregate(x, h_pre, n=None):
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
     y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        _launch_aggregate(x3, contiguous_f32(h_pre), y, bcast)
+        h_pre = contiguous_f32(h_pre)
+        _launch_aggregate(x3, h_pre, y, bcast, signature(x3, h_pre))
     return y

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
+from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2
 from mhc_megatron.kernels.log import log_rank0
 from mhc_megatron.kernels.triton_common import (
     TILES,
@@ -244,7 +244,7 @@ _PARAM_GRADS_BLOCK = 1024
 logger = logging.getLogger(__name__)
 
 
-class _BackwardShapes:
+class _BackwardShapes(LaunchPlan):
     """The launch shapes pre's backward and the output head's
     (:mod:`~mhc_megatron.kernels.triton_head`) share, for ``x [T, n, C]`` of ``dtype``: the
     ``dH_pre`` (head: ``dw``) partials (``dh_*``), the dx + dphi pass (``dx_*``, ``m``
@@ -253,6 +253,7 @@ class _BackwardShapes:
 
     def _shapes(self, T: int, n: int, C: int, m: int, mp: int, map_programs: int,
                 dtype: torch.dtype, forced: str | None, has_g: bool, bcast: bool, nalpha: int):
+        LaunchPlan.__init__(self)
         self.m, self.mp, self.K, self.map_programs = m, mp, n * C, map_programs
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.dh_splits, per = _splits(cdiv(T, bt), C, bc)
@@ -295,13 +296,13 @@ class _PreBackwardPlan(_BackwardShapes):
                                ((self.map_programs, self.mp), f32), ((self.dh_splits, T, n), f32))
 
 
-def _launch_dx_dphi(p: _BackwardShapes, *args) -> None:
+def _launch_dx_dphi(p: _BackwardShapes, sig: tuple | None, *args) -> None:
     """``_pre_dx_dphi`` at its plan's loop stages, one stage fewer (kept in the plan) each time
     the GPU's shared memory cannot hold them: with the combine's ``g`` a stage buffers n
     stream tiles of it, too many for 3 stages at n=8 in fp32 on an H100."""
     while True:
         try:
-            _DX_DPHI(p.dx_grid, p.dx_meta, *args)
+            _DX_DPHI.signed(p, sig, p.dx_grid, p.dx_meta, *args)
             return
         except OutOfResources:
             stages = p.dx_meta.kwargs["LOOP_STAGES"]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhc_megatron.kernels.launch import Launcher, Meta, cdiv, next_pow2
+from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
@@ -162,23 +162,25 @@ def _aggregate_fwd(x_ptr, hpre_ptr, y_ptr, T, C, N: tl.constexpr, BT: tl.constex
 _PROJ, _MAPS_FWD, _AGG = Launcher(_proj_partial), Launcher(_mappings_fwd), Launcher(_aggregate_fwd)
 
 
-class _AggregatePlan:
+class _AggregatePlan(LaunchPlan):
     """Launch shape of ``_aggregate_fwd`` for ``x [T, n, C]`` (``bcast``: one broadcast row
     a token, :func:`~mhc_megatron.kernels.triton_common.streams_operand`)."""
 
     def __init__(self, T: int, n: int, C: int, bcast: bool):
+        super().__init__()
         bt, bc, warps = TILES.sweep[0], _sweep_bc(n, C), TILES.sweep[2]
         self.grid = (cdiv(T, bt) * cdiv(C, bc),)  # token_rows
         self.meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
 
 
-class _PreForwardPlan:
+class _PreForwardPlan(LaunchPlan):
     """Launch shapes of pre's forward for ``x [T, n, C]`` (T > 0) of ``dtype``, the mappings
     in the form ``dsv4`` / ``transposed``
     (:func:`~mhc_megatron.kernels.triton_common.form_flags`)."""
 
     def __init__(self, T: int, n: int, C: int, dtype: torch.dtype, forced: str | None,
                  bcast: bool, dsv4: bool = False, transposed: bool = False):
+        super().__init__()
         self.m, self.mp, self.K = 2 * n + n * n, _padded_m(n), n * C
         bt, bk, warps, stages = TILES.proj[n]
         self.splits, self.per = _splits(cdiv(T, bt), self.K, bk)
@@ -203,11 +205,13 @@ class _PreForwardPlan:
 
 
 def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor,
-                      bcast: bool) -> None:
+                      bcast: bool, sig: tuple | None) -> None:
     """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for ``x [T, n, C]`` as
     :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it (``bcast``), fp32
     ``h_pre [T, n]`` (T > 0): the one launch of the aggregate, shared by pre's forward and
-    :func:`~mhc_megatron.kernels.triton_pre.aggregate`, so that both give the same bits."""
+    :func:`~mhc_megatron.kernels.triton_pre.aggregate`, so that both give the same bits.
+    ``sig``: the calling op's launch signature (:func:`~mhc_megatron.kernels.launch.signature`;
+    ``x`` and ``h_pre`` are given to it or allocated by it as fp32, ``y`` allocated by it)."""
     T, n, C = x.shape
     p = plan(_AggregatePlan, T, n, C, bcast)
-    _AGG(p.grid, p.meta, x, h_pre, y, T, C)
+    _AGG.signed(p, sig, p.grid, p.meta, x, h_pre, y, T, C)
