@@ -256,3 +256,18 @@ def test_gradcheck_deepseek_v4_mappings_float64():
         return ref.compute_mappings(x, phi, alpha, bias, 5, 1e-6, form)
 
     assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("shape,n", [((5, 3, 4 * 8), 4), ((7, 2 * 3), 2), ((1, 1, 1, 8), 8),
+                                     ((0, 2, 4 * 6), 4), ((6, 4, 5), None), ((3, 1), 1)])
+def test_token_dims_are_the_token_views_shape(shape, n):
+    """The fused ops read the streams through their own pointer with the token dims
+    ``(T, n, C)`` of ``as_tokens``' view, never forming it."""
+    x = torch.zeros(shape)
+    assert ref.token_dims(x, n) == tuple(ref.as_tokens(x, n).shape)
+
+
+def test_token_dims_refuse_streams_that_n_does_not_divide():
+    for shape, n in (((4, 10), 4), ((4, 0), 4), ((4, 8), 0)):
+        with pytest.raises(ValueError, match="divisible by n"):
+            ref.token_dims(torch.zeros(shape), n)

@@ -37,6 +37,7 @@ and ``transposed`` mixes the streams with ``M^T`` (``x'[i] = sum_j M[j, i] x[j]`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,6 +70,19 @@ def as_tokens(x: Tensor, n: int | None) -> Tensor:
     ``[..., n*C]`` reshaped (a view when they are contiguous; the fused ops take it inside
     their autograd functions, so the graph gets no view node)."""
     return x if n is None else x.reshape(-1, n, x.shape[-1] // n)
+
+
+def token_dims(x: Tensor, n: int | None) -> tuple[int, int, int]:
+    """``as_tokens(x, n).shape``, ``(T, n, C)``, without forming the view (the fused ops pass
+    the streams' own pointer to their kernels). Raises where ``as_tokens`` could not reshape:
+    a last dimension that ``n`` streams do not divide."""
+    if n is None:
+        return tuple(x.shape)
+    width = x.shape[-1]
+    if n <= 0 or width % n or width == 0:
+        raise ValueError(f"the streams [..., n*C] need a last dimension divisible by n={n}, got "
+                         f"{tuple(x.shape)}. Fix: pass the streams [..., {n}*C] of n={n}.")
+    return math.prod(x.shape[:-1]), n, width // n
 
 
 def aggregate_shape(x: Tensor, n: int | None, C: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2, signature
-from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
+from mhc_megatron.kernels.reference import aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
     TILES,
     _aggregate_tile,
@@ -140,13 +140,15 @@ class _CombinePlan(LaunchPlan):
                                   num_warps=warps)
 
 
-def _launch_combine(x, f, f_bias, h_res, h_post, out, bcast, h_next=None, y=None) -> None:
-    """``out = H_res x + H_post (f + f_bias)`` for ``x [T, n, C]`` as
+def _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast, h_next=None,
+                    y=None) -> None:
+    """``out = H_res x + H_post (f + f_bias)`` for ``x`` of token dims ``dims = (T, n, C)``
+    (:func:`~mhc_megatron.kernels.reference.token_dims`) as
     :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it (``bcast``), fp32
     mappings (T > 0); with ``h_next`` also the next pre's aggregate of ``out`` into ``y``
     (``HAS_AGG``). The one launch of the combine's forward, shared by the autograd op and the
     recompute's fused replay: the same tiles, so the same ``out``."""
-    T, n, C = x.shape
+    T, n, C = dims
     p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
     fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
     if h_next is None:  # HAS_AGG off: h_next / y unread
@@ -166,16 +168,15 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, f, f_bias, h_res, h_post, link, n_streams=None):
         (x, bcast), f = streams_operand(x), f.contiguous()
-        x3 = as_tokens(x, n_streams)
-        T, n, C = x3.shape
+        T, n, C = dims = token_dims(x, n_streams)
         _check(x, n)
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
         h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
         out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
         if T > 0:
-            _launch_combine(x3, f, f_bias, h_res, h_post, out, bcast)
+            _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast)
         ctx.save_for_backward(x, f, f_bias, h_res, h_post)
-        ctx.bcast, ctx.dims = bcast, (T, n, C)
+        ctx.bcast, ctx.dims = bcast, dims
         ctx.link = link
         return out
 
@@ -239,12 +240,11 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
                            "replay of a combine and the next aggregate. Fix: call it under "
                            "torch.no_grad(), or use combine and pre.")
     (x, bcast), f = streams_operand(x), f.contiguous()
-    x3 = as_tokens(x, n)
-    T, n_streams, C = x3.shape
+    T, n_streams, C = dims = token_dims(x, n)
     _check(x, n_streams)
     h_res, h_post, h_pre = contiguous_f32(h_res), contiguous_f32(h_post), contiguous_f32(h_pre)
     out = x.new_empty(x.shape)
     y = torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        _launch_combine(x3, f, f_bias, h_res, h_post, out, bcast, h_pre, y)
+        _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast, h_pre, y)
     return out, y

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from mhc_megatron.kernels.launch import Launcher, Meta, cdiv
-from mhc_megatron.kernels.reference import aggregate_shape, as_tokens
+from mhc_megatron.kernels.reference import aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
     _INTERPRETED,
     TILES,
@@ -151,9 +151,8 @@ class _HeadFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, rms_eps, eps, n_streams=None):
         x, bcast = streams_operand(x)
-        x3 = as_tokens(x, n_streams)
-        T, n, C = x3.shape
-        _check(x3, n)
+        T, n, C = dims = token_dims(x, n_streams)
+        _check(x, n)
         _check_head_params(phi, alpha, bias, n, C)
         phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
         dev, f32 = x.device, torch.float32
@@ -168,9 +167,9 @@ class _HeadFn(torch.autograd.Function):
             _PROJ(p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
             _HEAD_FWD(p.head_grid, p.head_meta, part, part_ss, alpha, bias, w, ht, rstd, T, p.K,
                       p.splits, float(rms_eps), float(eps))
-            _launch_aggregate(x3, w, y, bcast, None)
+            _launch_aggregate(x, dims, w, y, bcast, None)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, w)
-        ctx.bcast, ctx.dims = bcast, (T, n, C)
+        ctx.bcast, ctx.dims = bcast, dims
         return y
 
     @staticmethod

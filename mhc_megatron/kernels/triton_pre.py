@@ -25,7 +25,7 @@ import torch
 
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import signature
-from mhc_megatron.kernels.reference import PAPER, aggregate_shape, as_tokens
+from mhc_megatron.kernels.reference import PAPER, aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
     _check,
     _padded_m,
@@ -60,9 +60,8 @@ class _PreFn(torch.autograd.Function):
     def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None, form=PAPER):
         dsv4, transposed = form_flags(form)
         x, bcast = streams_operand(x)
-        x3 = as_tokens(x, n_streams)
-        T, n, C = x3.shape
-        _check(x3, n)
+        T, n, C = dims = token_dims(x, n_streams)  # x's own pointer to the kernels: [T, n, C]
+        _check(x, n)
         phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
         dev, f32 = x.device, torch.float32
         mp = _padded_m(n)
@@ -80,12 +79,12 @@ class _PreFn(torch.autograd.Function):
             _PROJ.signed(p, sig, p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C,
                          p.per)
             _MAPS_FWD.signed(p, sig, p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre,
-                             h_post, h_res, ht, rstd, x3, y, T, p.K, C, p.splits, float(eps),
+                             h_post, h_res, ht, rstd, x, y, T, p.K, C, p.splits, float(eps),
                              int(iters), float(form.eps))
             if not p.map_agg:  # (small inputs: the mapping kernel formed y)
-                _launch_aggregate(x3, h_pre, y, bcast, sig)
+                _launch_aggregate(x, dims, h_pre, y, bcast, sig)
         ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
-        ctx.bcast, ctx.dims = bcast, (T, n, C)
+        ctx.bcast, ctx.dims = bcast, dims
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
         ctx.link = link
@@ -152,14 +151,13 @@ def aggregate(x, h_pre, n=None):
     ``h_pre [T, n]``, bit for bit (the same kernel launch); no autograd: ``mhc_recompute``
     replays it in backward."""
     x, bcast = streams_operand(x)
-    x3 = as_tokens(x, n)
-    T, n_streams, C = x3.shape
-    _check(x3, n_streams)
+    T, n_streams, C = dims = token_dims(x, n)
+    _check(x, n_streams)
     if torch.is_grad_enabled() and (x.requires_grad or h_pre.requires_grad):
         raise RuntimeError("triton_mhc.aggregate has no backward: it is the recompute's replay "
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
     y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
         h_pre = contiguous_f32(h_pre)
-        _launch_aggregate(x3, h_pre, y, bcast, signature(x3, h_pre))
+        _launch_aggregate(x, dims, h_pre, y, bcast, signature(x, h_pre))
     return y

@@ -204,14 +204,15 @@ class _PreForwardPlan(LaunchPlan):
 
 
 
-def _launch_aggregate(x: torch.Tensor, h_pre: torch.Tensor, y: torch.Tensor,
-                      bcast: bool, sig: tuple | None) -> None:
-    """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for ``x [T, n, C]`` as
+def _launch_aggregate(x: torch.Tensor, dims: tuple[int, int, int], h_pre: torch.Tensor,
+                      y: torch.Tensor, bcast: bool, sig: tuple | None) -> None:
+    """``y [T, C] = sum_i h_pre[:, i] x[:, i]`` for ``x`` of token dims ``dims = (T, n, C)``
+    (:func:`~mhc_megatron.kernels.reference.token_dims`) as
     :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it (``bcast``), fp32
     ``h_pre [T, n]`` (T > 0): the one launch of the aggregate, shared by pre's forward and
     :func:`~mhc_megatron.kernels.triton_pre.aggregate`, so that both give the same bits.
     ``sig``: the calling op's launch signature (:func:`~mhc_megatron.kernels.launch.signature`;
     ``x`` and ``h_pre`` are given to it or allocated by it as fp32, ``y`` allocated by it)."""
-    T, n, C = x.shape
+    T, n, C = dims
     p = plan(_AggregatePlan, T, n, C, bcast)
     _AGG.signed(p, sig, p.grid, p.meta, x, h_pre, y, T, C)
