@@ -161,22 +161,30 @@ def _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast, h_next=None,
                     T, C)
 
 
+def _combine_forward(x, f, f_bias, h_res, h_post, n_streams):
+    """The combine's forward (the kernel of :class:`_CombineFn`): ``(out, saved, bcast,
+    dims)``, ``saved`` = ``(x, f, f_bias, h_res, h_post)`` as the kernel read them (fp32
+    mappings)."""
+    (x, bcast), f = streams_operand(x), f.contiguous()
+    T, n, C = dims = token_dims(x, n_streams)
+    _check(x, n)
+    h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
+    out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
+    if T > 0:
+        _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast)
+    return out, (x, f, f_bias, h_res, h_post), bcast, dims
+
+
 class _CombineFn(torch.autograd.Function):
     """``x`` is ``[T, n, C]`` and ``f [T, C]`` (``n_streams`` None), or the streams
     ``[..., n*C]`` and ``f [..., C]``; the output has ``x``'s shape."""
 
     @staticmethod
     def forward(ctx, x, f, f_bias, h_res, h_post, link, n_streams=None):
-        (x, bcast), f = streams_operand(x), f.contiguous()
-        T, n, C = dims = token_dims(x, n_streams)
-        _check(x, n)
         ctx.mapping_dtypes = (h_res.dtype, h_post.dtype)  # grads are returned in these
-        h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
-        out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
-        if T > 0:
-            _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast)
-        ctx.save_for_backward(x, f, f_bias, h_res, h_post)
-        ctx.bcast, ctx.dims = bcast, dims
+        out, saved, ctx.bcast, ctx.dims = _combine_forward(x, f, f_bias, h_res, h_post,
+                                                           n_streams)
+        ctx.save_for_backward(*saved)
         ctx.link = link
         return out
 
@@ -220,9 +228,13 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     If ``h_res`` comes from :func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``,
     the combine's ``dx = H_res^T g`` is formed inside pre's backward kernel, which adds it to
     pre's own: never written, never summed by autograd (see
-    :class:`~mhc_megatron.kernels.handoff.DxLink`)."""
+    :class:`~mhc_megatron.kernels.handoff.DxLink`). Without autograd (no grad mode, or no
+    input that requires grad) the kernel runs without an autograd function around it."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (x, f, f_bias, h_res, h_post))):
+        return _combine_forward(x, f, f_bias, h_res, h_post, n)[0]
     link = getattr(h_res, "_mhc_dx_link", None)
-    if link is not None and not (torch.is_grad_enabled() and link.claim(x)):
+    if link is not None and not link.claim(x):
         link = None
     return _CombineFn.apply(x, f, f_bias, h_res, h_post, link, n)
 

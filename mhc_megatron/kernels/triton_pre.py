@@ -50,6 +50,36 @@ from mhc_megatron.kernels.triton_pre_fwd import (
 )
 
 
+def _pre_forward(x, phi, alpha, bias, iters, eps, n_streams, form):
+    """pre's forward (the kernels of :class:`_PreFn`): ``((y, h_pre, h_post, h_res), saved,
+    bcast, dims)``, ``saved`` = ``(x, phi, alpha, bias, ht, rstd)`` as the kernels read and
+    wrote them (what the backward needs besides ``h_pre``)."""
+    dsv4, transposed = form_flags(form)  # (refuses an unknown form)
+    x, bcast = streams_operand(x)
+    T, n, C = dims = token_dims(x, n_streams)  # x's own pointer to the kernels: [T, n, C]
+    _check(x, n)
+    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
+    dev, f32 = x.device, torch.float32
+    y = torch.empty(aggregate_shape(x, n_streams, C), device=dev, dtype=x.dtype)
+    h_pre = torch.empty(T, n, device=dev, dtype=f32)
+    h_post = torch.empty(T, n, device=dev, dtype=f32)
+    h_res = torch.empty(T, n, n, device=dev, dtype=f32)
+    ht = torch.empty(T, _padded_m(n), device=dev, dtype=f32)
+    rstd = torch.empty(T, device=dev, dtype=f32)
+    if T > 0:
+        p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
+                 transposed)
+        part, part_ss = p.scratch.tensors(dev)
+        sig = signature(x, phi, alpha, bias, extra=(int(iters),))
+        _PROJ.signed(p, sig, p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
+        _MAPS_FWD.signed(p, sig, p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre,
+                         h_post, h_res, ht, rstd, x, y, T, p.K, C, p.splits, float(eps),
+                         int(iters), float(form.eps))
+        if not p.map_agg:  # (small inputs: the mapping kernel formed y)
+            _launch_aggregate(x, dims, h_pre, y, bcast, sig)
+    return (y, h_pre, h_post, h_res), (x, phi, alpha, bias, ht, rstd), bcast, dims
+
+
 class _PreFn(torch.autograd.Function):
     """``x`` is ``[T, n, C]`` (``n_streams`` None; possibly one broadcast row a token, read
     as is: :func:`~mhc_megatron.kernels.triton_common.streams_operand`) or the streams
@@ -58,39 +88,15 @@ class _PreFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None, form=PAPER):
-        dsv4, transposed = form_flags(form)
-        x, bcast = streams_operand(x)
-        T, n, C = dims = token_dims(x, n_streams)  # x's own pointer to the kernels: [T, n, C]
-        _check(x, n)
-        phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
-        dev, f32 = x.device, torch.float32
-        mp = _padded_m(n)
-        y = torch.empty(aggregate_shape(x, n_streams, C), device=dev, dtype=x.dtype)
-        h_pre = torch.empty(T, n, device=dev, dtype=f32)
-        h_post = torch.empty(T, n, device=dev, dtype=f32)
-        h_res = torch.empty(T, n, n, device=dev, dtype=f32)
-        ht = torch.empty(T, mp, device=dev, dtype=f32)
-        rstd = torch.empty(T, device=dev, dtype=f32)
-        if T > 0:
-            p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
-                     transposed)
-            part, part_ss = p.scratch.tensors(dev)
-            sig = signature(x, phi, alpha, bias, extra=(int(iters),))
-            _PROJ.signed(p, sig, p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C,
-                         p.per)
-            _MAPS_FWD.signed(p, sig, p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre,
-                             h_post, h_res, ht, rstd, x, y, T, p.K, C, p.splits, float(eps),
-                             int(iters), float(form.eps))
-            if not p.map_agg:  # (small inputs: the mapping kernel formed y)
-                _launch_aggregate(x, dims, h_pre, y, bcast, sig)
-        ctx.save_for_backward(x, phi, alpha, bias, ht, rstd, h_pre)
-        ctx.bcast, ctx.dims = bcast, dims
+        outs, saved, ctx.bcast, ctx.dims = _pre_forward(x, phi, alpha, bias, iters, eps,
+                                                        n_streams, form)
+        ctx.save_for_backward(*saved, outs[1])
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
         ctx.link = link
-        ctx.form = (dsv4, transposed, float(form.eps))
+        ctx.form = (*form_flags(form), float(form.eps))
         ctx.set_materialize_grads(False)  # unused outputs get None: their work is skipped
-        return y, h_pre, h_post, h_res
+        return outs
 
     @staticmethod
     def backward(ctx, dy, dh_pre, dh_post, dh_res):
@@ -138,8 +144,13 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER):
     ``x [T, n, C]`` (``y [T, C]``) or, with ``n`` given, for the streams ``x [..., n*C]``
     (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph).
     The mappings in ``form`` (a :class:`~mhc_megatron.kernels.reference.MappingForm`: the
-    paper's, or DeepSeek-V4's; ``transposed``: ``h_res = M^T``)."""
-    link = DxLink(x) if torch.is_grad_enabled() and x.requires_grad else None
+    paper's, or DeepSeek-V4's; ``transposed``: ``h_res = M^T``). Without autograd (no grad
+    mode, or no input that requires grad: inference, evaluation) the kernels run without an
+    autograd function around them."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or phi.requires_grad
+                                         or alpha.requires_grad or bias.requires_grad)):
+        return _pre_forward(x, phi, alpha, bias, sinkhorn_iterations, eps, n, form)[0]
+    link = DxLink(x) if x.requires_grad else None
     outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form)
     if link is not None:
         outs[3]._mhc_dx_link = link
