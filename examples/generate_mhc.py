@@ -70,6 +70,10 @@ def generation_arguments(parser):
     g.add_argument("--top-p", type=float, default=0.0, help="0: off")
     g.add_argument("--engine", choices=("dynamic", "static"), default="dynamic",
                    help="DynamicInferenceEngine, or StaticInferenceEngine")
+    g.add_argument("--check-greedy", action="store_true",
+                   help="with --greedy: check each prompt's tokens against greedy decoding by "
+                        "repeated full forwards of the model (no KV cache); a difference that "
+                        "is not a bf16 near-tie exits with status 1")
     return parser
 
 
@@ -149,6 +153,11 @@ def main():
     args = parse_and_validate_args(extra_args_provider=generation_arguments)
     if not args.prompts:
         raise SystemExit("generate_mhc.py: give --prompts TEXT [TEXT ...]")
+    if args.check_greedy and not args.greedy:
+        raise SystemExit("generate_mhc.py: --check-greedy checks greedy decoding: add --greedy")
+    if args.check_greedy and args.tensor_model_parallel_size != 1:
+        raise SystemExit("generate_mhc.py: --check-greedy runs the full forward on one rank: "
+                         "use --tensor-model-parallel-size 1")
     if not torch.cuda.is_available():
         raise SystemExit("generate_mhc.py needs a CUDA device: Megatron-Core's inference "
                          "engines (paged KV cache, flash attention) are CUDA-only.")
@@ -169,11 +178,35 @@ def main():
             results = engine.generate(prompts=prompts, sampling_params=sampling)
         else:
             results = [record.merge() for record in engine.generate(prompts, sampling)]
+    generated = [list(request.generated_tokens) for request in results]
     if torch.distributed.get_rank() == 0:
-        for i, (text, request) in enumerate(zip(args.prompts, results)):
-            tokens = list(request.generated_tokens)
+        for i, (text, tokens) in enumerate(zip(args.prompts, generated)):
             print(f"----- prompt {i} ({len(prompts[i])} tokens, {len(tokens)} generated)\n"
                   f"{text}{tokenizer.detokenize(tokens)}", flush=True)
+    if args.check_greedy and not check_greedy(model, prompts, generated):
+        sys.exit(1)
+
+
+def check_greedy(model, prompts: list[list[int]], generated: list[list[int]]) -> bool:
+    """Print, per prompt, how the engine's greedy tokens compare with greedy decoding by
+    repeated full forwards of ``model`` (:mod:`mhc_testing.greedy`); False on a divergence that
+    is not a near-tie."""
+    from mhc_testing.greedy import greedy_mismatch
+
+    ok = True
+    for i, (prompt, tokens) in enumerate(zip(prompts, generated)):
+        found = greedy_mismatch(model, prompt, tokens)
+        if found is None:
+            verdict = f"equal to greedy decoding by full forwards ({len(tokens)} tokens)"
+        elif found["tie"]:
+            verdict = (f"equal up to a near-tie at token {found['step']} (logit gap "
+                       f"{found['gap']:.3g} <= {found['bound']:.3g}); not compared past it")
+        else:
+            ok = False
+            verdict = (f"DIVERGES at token {found['step']}: {found['got']} instead of "
+                       f"{found['want']} (logit gap {found['gap']:.3g} > {found['bound']:.3g})")
+        print(f"greedy check, prompt {i}: {verdict}", flush=True)
+    return ok
 
 
 if __name__ == "__main__":

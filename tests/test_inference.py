@@ -77,3 +77,39 @@ def test_inference_with_pipeline_parallelism_is_refused(seeded, model_class):
     model.config.pipeline_model_parallel_size = 1
     with torch.no_grad():  # and without pipeline parallelism it runs
         model(ids, pos, None, inference_context=StaticInferenceContext(2, 4))
+
+
+class _ScriptedLM(torch.nn.Module):
+    """Logits ``[1, s, vocab]`` whose last position favours ``(last token + 1) % vocab`` by
+    ``margin``, except after ``tie_after``, where tokens 0 and 1 are a near-tie."""
+
+    def __init__(self, vocab=8, margin=4.0, tie_after=5):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.margin, self.tie_after = vocab, margin, tie_after
+
+    def forward(self, ids, pos, mask):
+        logits = torch.zeros(1, ids.shape[1], self.vocab)
+        for i, t in enumerate(ids[0].tolist()):
+            if t == self.tie_after:
+                logits[0, i, 0], logits[0, i, 1] = 4.0, 3.99
+            else:
+                logits[0, i, (t + 1) % self.vocab] = self.margin
+        return logits
+
+
+def test_greedy_reference_and_its_verdicts():
+    """The greedy reference that engines are checked against (mhc_testing.greedy, used by the
+    engine tests and examples/generate_mhc.py --check-greedy): argmax by full forwards; a
+    difference is a near-tie where the two logits are closer than the tie bound, else a
+    divergence."""
+    from mhc_testing.greedy import greedy_by_full_forwards, greedy_mismatch
+
+    model = _ScriptedLM()
+    assert greedy_by_full_forwards(model, [1], 6) == [2, 3, 4, 5, 0, 1]
+    assert greedy_mismatch(model, [1], [2, 3, 4, 5, 0, 1]) is None
+    tie = greedy_mismatch(model, [1], [2, 3, 4, 5, 1, 2])  # 1 vs 0 after token 5: 4.0 vs 3.99
+    assert tie["step"] == 4 and tie["tie"] and tie["gap"] < tie["bound"]
+    diverged = greedy_mismatch(model, [1], [2, 7, 0, 1])
+    assert diverged["step"] == 1 and not diverged["tie"]
+    assert (diverged["got"], diverged["want"], diverged["reference"]) == (7, 3, [2, 3, 4, 5])

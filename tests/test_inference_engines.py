@@ -47,14 +47,27 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers, when run as a child
+from mhc_testing.greedy import (  # noqa: E402
+    TIE_TOL,
+    first_divergence,
+    full_logits,
+    greedy_by_full_forwards,
+)
+
 from helpers import (  # noqa: E402
+    MHC_FLAGS,
+    ROOT,
     SEQ,
     VOCAB,
     build_gpt,
     child_env,
     child_result,
     moe_overrides,
+    pretrain,
+    pretrain_cmd,
+    run_ranks,
     tiny_config,
+    write_pretrain_corpus,
 )
 
 MOE = {**moe_overrides(), "moe_router_topk": 4, "moe_token_dispatcher_type": "alltoall",
@@ -65,7 +78,6 @@ MHC = [pytest.param(True, id="mhc"), pytest.param(False, id="baseline")]
 # forward, measured on CPU with a PyTorch stand-in for the paged flash kernel: at most 7e-3 (a
 # request compared with another request's full forward: 1.3).
 TOL = 3e-2  # logits, every position
-TIE_TOL = 2e-2  # greedy: two candidate tokens this close are a near-tie
 NEW_TOKENS = 6
 PROMPT_LENGTHS = (5, 9, 3)  # batch 3; the longest prompt + NEW_TOKENS <= SEQ
 # The context test: request id -> (prompt length, total length); request 2 joins after two
@@ -183,46 +195,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _full_logits(model, tokens: list[int]) -> torch.Tensor:
-    """The causal full forward of one sequence (no inference context, Megatron's
-    ``InferenceMode`` off, as in training): logits ``[s, vocab]``, fp32."""
-    from megatron.core.inference.utils import InferenceMode
-
-    was_active = InferenceMode.is_active()
-    InferenceMode.unset_active()
-    ids = torch.tensor([tokens], device="cuda")
-    pos = torch.arange(len(tokens), device="cuda")[None]
-    try:
-        with torch.no_grad():
-            return model(ids, pos, None)[0].float()
-    finally:
-        if was_active:
-            InferenceMode.set_active()
-
-
-def _greedy_by_full_forwards(model, prompt: list[int], n: int) -> list[int]:
-    """Argmax of the full forward's last position, appended, repeated ``n`` times."""
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(int(_full_logits(model, tokens)[-1].argmax()))
-    return tokens[len(prompt):]
-
-
-def _first_divergence(model, prompt, got: list[int], want: list[int]) -> dict | None:
-    """None if ``got == want``; else at their first difference ``k``: the full forward's
-    logits on ``prompt + want[:k]`` for the two tokens, their gap and the tie bound."""
-    assert len(got) == len(want), (got, want)
-    for k, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            last = _full_logits(model, list(prompt) + list(want[:k]))[-1]
-            return {"step": k, "got": g, "want": w, "gap": abs(float(last[w] - last[g])),
-                    "bound": TIE_TOL * float(last.abs().max())}
-    return None
-
-
 def _assert_greedy_equal(model, prompts, got, want, who: str) -> None:
     for prompt, g, w in zip(prompts, got, want, strict=True):
-        d = _first_divergence(model, prompt, g, w)
+        d = first_divergence(model, prompt, g, w, TIE_TOL)
         if d is not None:
             print(f"\n[{who}] near-tie at step {d['step']}: gap {d['gap']:.3g} "
                   f"(bound {d['bound']:.3g})")
@@ -309,7 +284,7 @@ def test_dynamic_context_decode_equals_full_forward(seeded, device, kind, mhc):
         model.config, _inference_config(materialize_only_last_token_logits=False))
     cached = _context_logits(model, context, sequences)
     for rid, seq in sequences.items():
-        full = _full_logits(model, seq)  # [L, vocab]
+        full = full_logits(model, seq)  # [L, vocab]
         err = (cached[rid] - full).abs().max().item()
         print(f"\n[dynamic context] {kind} mhc={mhc} request {rid}: max |diff| {err:.3g}, "
               f"max |logit| {full.abs().max().item():.3g}")
@@ -336,7 +311,7 @@ def test_greedy_generation_equals_full_forward_greedy(seeded, device, kind, mhc)
 
     model = _model(kind, mhc, device)
     prompts = _prompts()
-    want = [_greedy_by_full_forwards(model, p, NEW_TOKENS) for p in prompts]
+    want = [greedy_by_full_forwards(model, p, NEW_TOKENS) for p in prompts]
 
     records = _dynamic_engine(model).generate(prompts, _greedy())  # in request-id order
     dynamic = [list(r.merge().generated_tokens) for r in records]
@@ -349,6 +324,51 @@ def test_greedy_generation_equals_full_forward_greedy(seeded, device, kind, mhc)
     results = static.generate(prompts=prompts, sampling_params=_greedy())
     _assert_greedy_equal(model, prompts, [list(r.generated_tokens) for r in results], want,
                          "StaticInferenceEngine")
+
+
+# The GPT that examples/pretrain_gpt_mhc.py trains for the generation test: bf16, heads of 64
+# channels (FlashAttention's paged kernel takes multiples of 16), mHC n=4.
+GENERATION_GPT = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "2",
+                  "--seq-length", "64", "--max-position-embeddings", "64",
+                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                  "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+                  "--bf16"]
+GENERATION_TRAINING = [*MHC_FLAGS, "--train-iters", "60", "--eval-interval", "60",
+                       "--log-interval", "20"]
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory):
+    """A checkpoint that Megatron's training loop wrote: examples/pretrain_gpt_mhc.py, the
+    generation GPT, 60 steps on the stdlib corpus (one GPU). ``(corpus, checkpoint dir)``."""
+    root = tmp_path_factory.mktemp("generation")
+    corpus = write_pretrain_corpus(root)
+    ckpt = str(root / "ckpt")
+    pretrain(corpus, *GENERATION_TRAINING, "--save", ckpt, "--save-interval", "60",
+             device="cuda", model=GENERATION_GPT).ok()
+    return corpus, ckpt
+
+
+@pytest.mark.parametrize("engine", ["dynamic", "static"])
+def test_generate_example_decodes_a_trained_checkpoint_greedily(trained_checkpoint, engine):
+    """examples/generate_mhc.py on the trained checkpoint, through Megatron's engine (dynamic,
+    or static) and the byte tokenizer: it prints each prompt's text, and its greedy tokens
+    equal greedy decoding by repeated full forwards of the loaded model (``--check-greedy``,
+    up to a near-tie)."""
+    corpus, ckpt = trained_checkpoint
+    cmd = pretrain_cmd(corpus, [*GENERATION_TRAINING, "--load", ckpt], "cuda",
+                       model=GENERATION_GPT)
+    cmd[0] = str(ROOT / "examples" / "generate_mhc.py")
+    proc = run_ranks(1, *cmd, "--prompts", "import os", "def main(", "--max-new-tokens", "24",
+                     "--greedy", "--check-greedy", "--engine", engine,
+                     "--inference-dynamic-batching-buffer-size-gb", "1", env=child_env(),
+                     timeout=400)
+    out = proc.stdout + (proc.stderr or "")
+    print(out[-3000:])
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("----- prompt ") == 2 and "import os" in out and "def main(" in out
+    checks = [line for line in out.splitlines() if line.startswith("greedy check, prompt")]
+    assert len(checks) == 2 and not any("DIVERGES" in line for line in checks), checks
 
 
 @pytest.mark.parametrize("scope", ["layer", "block"])
@@ -420,7 +440,7 @@ def _graph_case(kind: str, mhc: bool, scope: str) -> dict:
     graphed_modules = sum(1 for m in holders if getattr(m, "cudagraph_manager", None) is not None
                           and m.cudagraph_manager.cudagraph_runners)
     InferenceMode.unset_active()
-    divergences = [_first_divergence(eager_model, p, g, e)
+    divergences = [first_divergence(eager_model, p, g, e, TIE_TOL)
                    for p, g, e in zip(prompts, graphed, eager)]
     delete_cuda_graphs()
     parallel_state.destroy_model_parallel()
