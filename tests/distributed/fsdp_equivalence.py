@@ -17,6 +17,9 @@ so). The baseline (mHC off) runs the same comparison; its differences are printe
 mHC's. fp32 on CPU ranks; on GPUs also bf16. Megatron-FSDP is CUDA-only (it places its
 buffers on the current CUDA device). Last, a checkpoint: an mHC model trained under FSDP2 and
 saved with torch's distributed checkpoint loads into a plain model to the same logits.
+``tp`` as the argument (GPUs): TP=2 (DP=1) under Megatron-FSDP equals TP=2 under DDP
+(baseline and mHC); the mHC parameters are replicated over tensor parallelism (Megatron-FSDP's
+registry classifies them so) and must stay equal on both TP ranks.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ import torch
 from helpers import batch, lm_loss
 
 STEPS = 3
+TP = 1  # the tensor-parallel size of the runs (check_tensor_parallel sets 2)
 
 
 def _config(mhc: bool, bf16: bool):
     # Megatron's FSDP2 wrapper shards TE's linear modules on their own only with TE specs
     impl = "transformer_engine" if harness.USE_TE else "local"
     extra = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
-    return harness.config(enable_hyper_connections=mhc, transformer_impl=impl, **extra)
+    return harness.config(enable_hyper_connections=mhc, transformer_impl=impl,
+                          tensor_model_parallel_size=TP, **extra)
 
 
 def _wrap(wrapper: str, cfg, model, bf16: bool):
@@ -71,10 +76,13 @@ def _wrap(wrapper: str, cfg, model, bf16: bool):
 
 
 def _step(wrapped, opt, step: int) -> tuple[float, float]:
-    """One optimizer step on this rank's batch: (loss, grad norm)."""
+    """One optimizer step on this data-parallel rank's batch (the TP ranks of a data-parallel
+    rank see the same one): (loss, grad norm)."""
+    from megatron.core import parallel_state
+
     wrapped.zero_grad_buffer()
     opt.zero_grad()
-    rank = torch.distributed.get_rank()
+    rank = parallel_state.get_data_parallel_rank()
     loss = lm_loss(wrapped, batch(seed=100 * step + rank, device=harness.DEVICE))
     loss.backward()
     wrapped.finish_grad_sync()
@@ -162,14 +170,16 @@ def _max_rel(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
-_DDP_RUNS: dict = {}  # (mhc, bf16) -> the DDP run every wrapper is compared with
+_DDP_RUNS: dict = {}  # (TP, mhc, bf16) -> the DDP run every wrapper is compared with
+_FINAL_PARAMS: dict = {}  # (wrapper, TP, mhc, bf16) -> the wrapper's final full parameters
 
 
 def compare(wrapper: str, mhc: bool, bf16: bool) -> dict:
-    if (mhc, bf16) not in _DDP_RUNS:
-        _DDP_RUNS[mhc, bf16] = _train("ddp", mhc, bf16, None)
-    losses, norms, weights, params, _ = _DDP_RUNS[mhc, bf16]
+    if (TP, mhc, bf16) not in _DDP_RUNS:
+        _DDP_RUNS[TP, mhc, bf16] = _train("ddp", mhc, bf16, None)
+    losses, norms, weights, params, _ = _DDP_RUNS[TP, mhc, bf16]
     losses2, norms2, _, params2, sharded = _train(wrapper, mhc, bf16, weights)
+    _FINAL_PARAMS[wrapper, TP, mhc, bf16] = params2
     assert sorted(params) == sorted(params2), sorted(set(params) ^ set(params2))
     errors = {n: harness.relative_error(params2[n], params[n]) for n in params}
     out = {"loss_rel_diff": _max_rel(losses2, losses),
@@ -177,7 +187,7 @@ def compare(wrapper: str, mhc: bool, bf16: bool) -> dict:
     print(f"PARAM ERRORS rank={torch.distributed.get_rank()} mhc={mhc} bf16={bf16} worst: "
           f"{harness.worst_errors(errors)}", flush=True)
     if mhc:
-        if wrapper in ("fsdp2", "megatron_fsdp_optim_grads_params"):
+        if wrapper in ("fsdp2", "megatron_fsdp_optim_grads_params") and TP == 1:  # (DP=2)
             assert sharded and all(sharded), f"mHC parameters not sharded by {wrapper}"
         initial = {n: w.float() for n, w in weights.items() if "hyper_connection" in n}
         assert len(initial) == len(sharded)
@@ -193,16 +203,42 @@ def check(wrapper: str, bf16: bool) -> None:
     for key in ("loss_rel_diff", "grad_norm_rel_diff"):
         assert mine[key] <= max(3 * base[key], tol), (
             f"[{wrapper} bf16={bf16}] mHC {key} {mine[key]:.2e} vs the baseline's {base[key]:.2e}")
-    print(f"PASS rank={torch.distributed.get_rank()} {wrapper} dp=2 bf16={bf16} "
+    layout = "dp=2" if TP == 1 else f"tp={TP}"
+    print(f"PASS rank={torch.distributed.get_rank()} {wrapper} {layout} bf16={bf16} "
           f"{harness.describe()} steps={STEPS} {harness.format_errors(mine, base)}", flush=True)
+
+
+def check_tensor_parallel(bf16: bool) -> None:
+    """TP=2, DP=1: Megatron-FSDP (``optim_grads_params``) == DDP in every step's loss and grad
+    norm (baseline beside), and each mHC parameter, replicated over tensor parallelism, ends
+    equal on both TP ranks."""
+    global TP
+    TP = 2
+    harness.init_parallel(tp=2)
+    wrapper = "megatron_fsdp_optim_grads_params"
+    check(wrapper, bf16)
+    params = _FINAL_PARAMS[wrapper, TP, True, bf16]
+    mhc = {n: p for n, p in sorted(params.items()) if "hyper_connection" in n}
+    assert mhc, "no mHC parameters"
+    for n, p in mhc.items():
+        other = [torch.empty_like(p) for _ in range(2)]
+        torch.distributed.all_gather(other, p.contiguous())
+        assert torch.equal(other[0], other[1]), f"{n} differs between the TP ranks"
+    print(f"PASS rank={torch.distributed.get_rank()} {wrapper} tp=2 bf16={bf16} mHC parameters "
+          f"replicated over TP, equal on both ranks: {len(mhc)}", flush=True)
 
 
 WRAPPERS = ("fsdp2", "megatron_fsdp_optim_grads_params", "megatron_fsdp_optim_grads")
 
 
 def main():
-    """``argv[1]``: a directory for the checkpoint check (the same on both ranks)."""
+    """``argv[1]``: a directory for the checkpoint check (the same on both ranks); or
+    ``tp``: the TP=2 checks alone (GPUs)."""
     harness.init(cuda_to_cpu=True)
+    if sys.argv[1] == "tp":
+        for bf16 in (False, True):
+            check_tensor_parallel(bf16)
+        return
     # once: FSDP2's device mesh keeps the data-parallel group it was built from, which a
     # rebuilt parallel state would replace (the weights are copied between the runs anyway)
     harness.init_parallel()
