@@ -28,6 +28,9 @@ so wall time is host time:
   the host time until the step returns (all launched, before the sync) and the process CPU
   time over that span (every thread's: the autograd engine's too; a busy neighbour on the
   host stretches wall time more than CPU time);
+* ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
+  looked up once per op call) against the per-argument key on every launch, in this process:
+  the four ops and the dense model's mHC step, the two modes in alternating rounds;
 * ``--profile-models OUT``: where a model step's extra host time goes: the dense model's
   baseline and mHC steps under cProfile (Python functions and the torch calls they make, per
   step: mHC minus baseline, by own time and by cumulative time in mhc_megatron's files) and
@@ -37,6 +40,7 @@ so wall time is host time:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -347,6 +351,68 @@ def breakdown_rows(args) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def argument_keys():
+    """The ops launch with the per-argument key on every launch (their signature None), as
+    before launches by signature."""
+    from mhc_megatron.kernels import triton_combine, triton_pre
+
+    saved = triton_pre.signature, triton_combine.signature
+    triton_pre.signature = triton_combine.signature = lambda *tensors, extra=(): None
+    try:
+        yield
+    finally:
+        triton_pre.signature, triton_combine.signature = saved
+
+
+def launch_ab_rows(args) -> list[str]:
+    """``--launch-ab``: per op and for the dense model's mHC step, host time with launches by
+    signature and with the per-argument key, the two modes alternating ``--rounds`` times
+    (median of the rounds' medians for the ops, minimum over the rounds' steps for the
+    model)."""
+    modes = (("by signature", contextlib.nullcontext), ("per-argument key", argument_keys))
+    cases = op_cases(args.tokens, args.hidden)
+    shape = _dense_shape(args)
+    step = make_step(build(shape, "local", True, False, DEVICE)[0], shape, "local", DEVICE)
+    ops = {(mode, name): [] for mode, _ in modes for name, _ in cases}
+    steps = {mode: [] for mode, _ in modes}
+    for mode, ctx in modes:  # warm-up: compiles, fills both kinds of cache
+        with ctx():
+            for _, fn in cases:
+                for _ in range(5):
+                    fn()
+            for _ in range(3):
+                step()
+    _sync()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(args.rounds):
+            for mode, ctx in modes:
+                with ctx():
+                    for name, fn in cases:
+                        ops[mode, name].append(host_us(fn, max(args.iters // args.rounds, 1)))
+                    for _ in range(10):
+                        _sync()
+                        t0 = time.perf_counter()
+                        step()
+                        _sync()
+                        steps[mode].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        gc.enable()
+    sub = 2 * shape["layers"]
+    lines = ["| host us | " + " | ".join(m for m, _ in modes) + " | difference |",
+             "|---|---|---|---|"]
+    for name, _ in cases:
+        a, b = (statistics.median(ops[m, name]) for m, _ in modes)
+        lines.append(f"| {name} | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+    a, b = (min(steps[m]) for m, _ in modes)
+    lines.append(f"| dense mHC model step (4 layers), ms, min | {a:.3f} | {b:.3f} | "
+                 f"{1e3 * (a - b) / sub:+.0f} us a sublayer |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def launch_floor_rows(launches: int, iters: int) -> list[str]:
     """Host time of ``launches`` launches of an empty Triton kernel, through
     :class:`~mhc_megatron.kernels.launch.Launcher` (the ops' path) and through Triton's own
@@ -391,6 +457,7 @@ def main(argv=None):
     p.add_argument("--profile-models", default=None, metavar="OUT")
     p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--launch-ab", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state
@@ -434,6 +501,9 @@ def main(argv=None):
     if args.breakdown:
         lines += ["", "Breakdown: mHC's layer code and its ops (null ops: allocations only)",
                   ""] + breakdown_rows(args)
+    if args.launch_ab:
+        lines += ["", "Launches by signature against the per-argument key (alternating rounds)",
+                  ""] + launch_ab_rows(args)
     if not args.no_models:
         lines += ["", "step (ms): median of the rounds' medians (the rounds' range); per "
                   "sublayer: the growth / sublayers, us", "",

@@ -58,14 +58,20 @@ def test_bench_e2e_interleave_refuses_profile():
 
 
 def test_bench_host_op_table_on_the_interpreter(tmp_path):
+    """The op table, and ``--launch-ab``'s table of the two launch modes (on the interpreter
+    both launch through Triton's own launcher: the plumbing only)."""
     out = tmp_path / "host.md"
     run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
-               "--no-models", "--out", str(out), env={"TRITON_INTERPRET": "1"})
-    rows = {r[0]: r for r in (line.strip("|").split("|") for line in out.read_text().splitlines()
-                              if line.startswith("| pre") or line.startswith("| combine"))}
-    names = [name.strip() for name in rows]
+               "--no-models", "--launch-ab", "--rounds", "1", "--out", str(out),
+               env={"TRITON_INTERPRET": "1"})
+    text = out.read_text()
+    table, ab = text.split("Launches by signature against the per-argument key")
+    names = [line.split("|")[1].strip() for line in table.splitlines()
+             if line.startswith("| pre") or line.startswith("| combine")]
     assert names == ["pre forward (autograd apply)", "pre backward",
                      "combine forward (autograd apply)", "combine backward"]
+    ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
+    assert ab_rows == ["host us", *names, "dense mHC model step (4 layers), ms, min"], ab_rows
 
 
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
