@@ -90,8 +90,9 @@ class _BlockState:
         self.registry: dict[StorageWeakRef, tuple[int, int, torch.dtype]] = {}
         # The address ranges of the registered storages, sorted by start: a saved tensor
         # whose data pointer falls in none of them (most of a sublayer's, e.g. an MoE layer's
-        # hundreds) is rejected with one bisect, without building a storage weakref. Expired
-        # entries are pruned at every registration, so live ranges never overlap an entry.
+        # hundreds) is rejected with one bisect, without building a storage weakref. A range
+        # that a new registration overlaps has expired (live storages do not overlap) and is
+        # dropped then, so the range a pointer falls in is the only one that can hold it.
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, StorageWeakRef]] = []
         self.packed_ops: set[int] = set()
@@ -105,17 +106,19 @@ class _BlockState:
         except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
             return None
         i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0 or ptr >= self._ranges[i][1]:
+        if i < 0:
+            return None
+        _, end, key = self._ranges[i]
+        if ptr >= end:
             return None
         self.manager.full_lookups += 1
-        try:
-            key = StorageWeakRef(t.untyped_storage())
+        try:  # the registered storage itself (its weak reference keeps its address unique)
+            same = t.untyped_storage()._cdata == key.cdata
         except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
             return None
-        hit = self.registry.get(key)
-        if hit is None or key.expired():
+        if not same or key.expired():
             return None
-        op, index, dtype = hit
+        op, index, dtype = self.registry[key]
         if t.dtype != dtype:
             return None
         return _OutputView(op, index, tuple(t.shape), tuple(t.stride()), t.storage_offset())
@@ -137,23 +140,30 @@ class _BlockState:
         for index, out in enumerate(outs):
             # Only tensors that own their whole storage: a placeholder is rebuilt as a view
             # of the recomputed tensor with the saved tensor's size/stride/offset.
-            if (isinstance(out, torch.Tensor) and out.storage_offset() == 0
-                    and out.is_contiguous()
-                    and out.untyped_storage().nbytes() == out.numel() * out.element_size()):
-                self._register(StorageWeakRef(out.untyped_storage()), out, (op, index, out.dtype))
+            if (not isinstance(out, torch.Tensor) or out.storage_offset() != 0
+                    or not out.is_contiguous()):
+                continue
+            storage = out.untyped_storage()
+            if storage.nbytes() == out.numel() * out.element_size():
+                self._register(storage, (op, index, out.dtype))
 
-    def _register(self, key: StorageWeakRef, out: torch.Tensor, entry: tuple) -> None:
-        if any(k.expired() for _, _, k in self._ranges):
-            for _, _, k in self._ranges:
-                if k.expired():
-                    self.registry.pop(k, None)
-            self._ranges = [r for r in self._ranges if not r[2].expired()]
-            self._starts = [r[0] for r in self._ranges]
-        self.registry[key] = entry
-        start = out.untyped_storage().data_ptr()
+    def _register(self, storage: torch.UntypedStorage, entry: tuple) -> None:
+        key = StorageWeakRef(storage)
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
         i = bisect.bisect_right(self._starts, start)
-        self._starts.insert(i, start)
-        self._ranges.insert(i, (start, start + out.untyped_storage().nbytes(), key))
+        # ranges the new storage overlaps belong to freed storages: drop them
+        lo = i
+        while lo > 0 and self._ranges[lo - 1][1] > start:
+            lo -= 1
+        hi = i
+        while hi < len(self._ranges) and self._ranges[hi][0] < end:
+            hi += 1
+        for _, _, stale in self._ranges[lo:hi]:
+            self.registry.pop(stale, None)
+        self._starts[lo:hi] = [start]
+        self._ranges[lo:hi] = [(start, end, key)]
+        self.registry[key] = entry
 
     def pack(self, t: torch.Tensor):
         view = self._lookup(t)
