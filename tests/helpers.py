@@ -119,14 +119,16 @@ def te_single_grouped_weight_unsupported() -> str | None:
             f"{v // 10000}.{v // 100 % 100}.{v % 100}")
 
 
-def single_grouped_step(mhc: bool, timeout: int = 300) -> tuple[dict | None, str]:
+def single_grouped_step(mhc: bool, routing: str = "dropless",
+                        timeout: int = 300) -> tuple[dict | None, str]:
     """One forward + backward of the tiny MoE GPT with TE's single grouped expert weight on
     one GPU, in a child process (``tests/gpu_child/single_grouped_step.py``; a fault in TE's
-    grouped-tensor GEMM can leave the CUDA context unusable): ``(result, "")`` where it ran,
-    ``(None, error)`` with the child's last error line (or the tail of its output) where not."""
+    grouped-tensor GEMM can leave the CUDA context unusable), with the ``routing``
+    ("dropless" or "drop_and_pad"): ``(result, "")`` where it ran, ``(None, error)`` with the
+    child's last error line (or the tail of its output) where not."""
     child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_child",
                          "single_grouped_step.py")
-    run = run_child([sys.executable, child, str(int(mhc))], child_env(), timeout)
+    run = run_child([sys.executable, child, str(int(mhc)), routing], child_env(), timeout)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     if run.returncode == 0 and lines:
         return json.loads(lines[-1][len("RESULT "):]), ""

@@ -107,21 +107,23 @@ def test_fp8_model_trains_like_bf16(seeded, device):
 
 
 @pytest.mark.gpu
-def test_single_grouped_expert_weight_step_beside_baseline():
+@pytest.mark.parametrize("routing", ["dropless", "drop_and_pad"])
+def test_single_grouped_expert_weight_step_beside_baseline(routing):
     """A training step (forward, backward) of an MoE GPT whose experts are Megatron-Core
     0.19.2's single grouped weight (TE's grouped-tensor GEMM, bf16, one GPU), with mHC and with
-    Megatron's own layers, each in a child process: mHC's step runs wherever the baseline's
-    does, with a finite loss and a finite, non-zero gradient for every grouped weight. Where
-    TE faults for the baseline too (its grouped-tensor GEMM with this GPU's cuBLASLt), the test
-    is an expected failure that quotes the baseline's error."""
+    Megatron's own layers, each in a child process, dropless and with drop-and-pad routing
+    (every expert's input padded to capacity): mHC's step runs wherever the baseline's does,
+    with a finite loss and a finite, non-zero gradient for every grouped weight. Where TE
+    faults for the baseline too (its grouped-tensor GEMM with this GPU's cuBLASLt), the test is
+    an expected failure that quotes the baseline's error."""
     reason = te_single_grouped_weight_unsupported()
     if reason is not None:
         pytest.skip(reason)
-    base, base_error = single_grouped_step(mhc=False)
-    ours, our_error = single_grouped_step(mhc=True)
+    base, base_error = single_grouped_step(mhc=False, routing=routing)
+    ours, our_error = single_grouped_step(mhc=True, routing=routing)
     if base is None:
-        pytest.xfail("TE cannot run Megatron's own model with the single grouped expert weight "
-                     f"on this GPU (mHC's step {'ran' if ours else 'stopped too'}): "
+        pytest.xfail(f"TE cannot run Megatron's own model with the single grouped expert weight "
+                     f"({routing}) on this GPU (mHC's step {'ran' if ours else 'stopped too'}): "
                      f"{base_error}")
     assert ours is not None, f"the baseline's step ran, mHC's did not: {our_error}"
     print(f"\n[single grouped] baseline loss {base['loss']:.5f}, mHC loss {ours['loss']:.5f}; "
