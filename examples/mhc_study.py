@@ -25,7 +25,9 @@ parameters (with ``--precision bf16``; the others then keep them in fp32, ``--mh
     python examples/mhc_study.py --report out/study                               # plot + table
 
 Writes ``<out>/study.json`` (appended run by run, so a stopped study keeps what finished),
-and with ``--report`` ``<out>/study_val_loss.png`` and ``<out>/study.md``.
+and with ``--report`` ``<out>/study_val_loss.png`` and ``<out>/study.md``. A run's
+``seconds`` (the table's "s / run") are its steps and evaluations; the diagnostics that only
+mHC runs take are timed apart (``diagnostics_seconds``).
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ def run_study(args) -> None:
                 done.append({"variant": name, "seed": seed, "overrides": overrides,
                              "steps": result.steps, "train_loss": result.train_loss,
                              "val_steps": result.val_steps, "val_loss": result.val_loss,
-                             "seconds": result.seconds, "params": result.params,
+                             "seconds": result.seconds,
+                             "diagnostics_seconds": result.on_eval_seconds,
+                             "params": result.params,
                              "diagnostics": diags})
                 with open(path, "w") as f:
                     json.dump(done, f, default=str)  # dtypes as their names

@@ -342,8 +342,9 @@ class RunResult:
     train_loss: list
     val_steps: list
     val_loss: list
-    seconds: float
+    seconds: float  # wall time of the steps and evaluations, without ``on_eval``'s
     params: int
+    on_eval_seconds: float = 0.0  # wall time of the ``on_eval`` calls (a study's diagnostics)
 
 
 def evaluate(model, val: Batches, batches: int = 8) -> float:
@@ -374,7 +375,9 @@ def param_groups(model, weight_decay: float, decay_1d: bool):
 def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, on_eval=None,
           decay_1d: bool = True) -> RunResult:
     """One run. ``on_eval(step, model, val_batches)`` runs at every evaluation, after the
-    optimiser step (the step's gradients are still on the parameters)."""
+    optimiser step (the step's gradients are still on the parameters); its time (device
+    synchronised around it) is kept apart from ``seconds``, so that instrumentation of one run
+    (the study's mHC diagnostics) does not count as that run's training time."""
     from tqdm import tqdm
 
     model = build_model(mhc, args, mhc_overrides)
@@ -416,11 +419,17 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
             result.val_steps.append(step)
             result.val_loss.append(evaluate(model, val))
             if on_eval is not None:
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                eval_start = time.time()
                 on_eval(step, model, make_batches(val_data, args, args.seed + 1))
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                result.on_eval_seconds += time.time() - eval_start
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{result.val_loss[-1]:.3f}")
     if args.device == "cuda":
         torch.cuda.synchronize()
-    result.seconds = time.time() - start
+    result.seconds = time.time() - start - result.on_eval_seconds
     return result
 
 

@@ -26,6 +26,9 @@ def test_smoke_study_records_diagnostics_and_reports(tmp_path):
     assert [r["variant"] for r in runs] == ["baseline", "mhc-zero", "mhc-dsv4"]
     base, mhc, dsv4 = runs
     assert base["diagnostics"] == [] and base["params"] < mhc["params"]
+    # the diagnostics, which only mHC runs take, are timed apart from the training's seconds
+    assert 0 <= base["diagnostics_seconds"] < mhc["diagnostics_seconds"]
+    assert all(r["seconds"] > 0 for r in runs)
     assert len(mhc["diagnostics"]) == len(mhc["val_steps"]) == 2  # smoke: eval at 3 and 6
     last = mhc["diagnostics"][-1]
     assert len(last["sublayers"]) == 4 and len(last["grad_norms"]) == 4  # 2 layers x 2 sublayers
