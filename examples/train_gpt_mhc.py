@@ -317,6 +317,9 @@ class MasterWeightAdamW:
             self.params += params
             master_groups.append({**group, "params": [p.detach().float().clone() for p in params]})
         self.master = [m for g in master_groups for m in g["params"]]
+        for m in self.master:  # fp32 gradient buffers, refilled every step
+            m.grad = torch.zeros_like(m)
+        self.master_grads = [m.grad for m in self.master]
         self.clip = clip
         self.inner = torch.optim.AdamW(master_groups, **adamw)
 
@@ -325,13 +328,14 @@ class MasterWeightAdamW:
             p.grad = None
 
     def step(self):
-        for p, m in zip(self.params, self.master):
-            m.grad = p.grad.float()
+        # one multi-tensor copy each way (the same values as a copy per parameter: exact up,
+        # round-to-nearest down), not two launches per parameter
+        with torch.no_grad():
+            torch._foreach_copy_(self.master_grads, [p.grad for p in self.params])
         torch.nn.utils.clip_grad_norm_(self.master, self.clip)
         self.inner.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
+            torch._foreach_copy_(self.params, self.master)
 
 
 # ---------------------------------------------------------------------------- train
