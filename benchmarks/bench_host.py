@@ -63,6 +63,19 @@ N, ITERS, EPS = 4, 20, 1e-6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Device synchronised, garbage collected, then Python's automatic collection off for the
+    timed rounds (as Megatron's training loop with ``--manual-gc``)."""
+    _sync()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def host_us(fn, iters: int) -> float:
     """Median host time of ``fn()`` in microseconds (no device sync inside the timing)."""
     times = []
@@ -313,10 +326,7 @@ def breakdown_rows(args) -> list[str]:
     for step in steps.values():
         for _ in range(5):
             step()
-    _sync()
-    gc.collect()
-    gc.disable()
-    try:
+    with gc_paused():
         for _ in range(args.rounds):
             for name, step in steps.items():
                 for _ in range(10):
@@ -328,8 +338,6 @@ def breakdown_rows(args) -> list[str]:
                     times[name].append(1e3 * (time.perf_counter() - t0))
                     host[name].append(1e3 * (t1 - t0))
                     cpu[name].append(1e3 * (c1 - c0))
-    finally:
-        gc.enable()
     lo = {name: min(t) for name, t in times.items()}
     med = {name: statistics.median(t) for name, t in times.items()}
     cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
@@ -383,10 +391,7 @@ def launch_ab_rows(args) -> list[str]:
                     fn()
             for _ in range(3):
                 step()
-    _sync()
-    gc.collect()
-    gc.disable()
-    try:
+    with gc_paused():
         for _ in range(args.rounds):
             for mode, ctx in modes:
                 with ctx():
@@ -398,8 +403,6 @@ def launch_ab_rows(args) -> list[str]:
                         step()
                         _sync()
                         steps[mode].append(1e3 * (time.perf_counter() - t0))
-    finally:
-        gc.enable()
     sub = 2 * shape["layers"]
     lines = ["| host us | " + " | ".join(m for m, _ in modes) + " | difference |",
              "|---|---|---|---|"]
