@@ -230,8 +230,9 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     pre's own: never written, never summed by autograd (see
     :class:`~mhc_megatron.kernels.handoff.DxLink`). Without autograd (no grad mode, or no
     input that requires grad) the kernel runs without an autograd function around it."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (x, f, f_bias, h_res, h_post))):
+    if not (torch.is_grad_enabled() and (
+            x.requires_grad or f.requires_grad or h_res.requires_grad or h_post.requires_grad
+            or (f_bias is not None and f_bias.requires_grad))):
         return _combine_forward(x, f, f_bias, h_res, h_post, n)[0]
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not link.claim(x):
