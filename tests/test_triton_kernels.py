@@ -509,36 +509,24 @@ def test_ops_without_autograd_skip_the_autograd_functions(monkeypatch):
     through it."""
     from mhc_megatron.kernels import triton_combine, triton_pre
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(3)
     n, c, t = 4, 24, 5
-    m = 2 * n + n * n
-    x = torch.randn(t, n * c, device=dev, generator=g).to(torch.bfloat16)
-    phi = 0.05 * torch.randn(m, n * c, device=dev, generator=g)
-    alpha, bias = torch.full((3,), 0.5, device=dev), 0.1 * torch.randn(m, device=dev, generator=g)
-    f = torch.randn(t, c, device=dev, generator=g).to(torch.bfloat16)
+    phi, alpha, bias = _params(n, c, 3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(t, n * c, generator=g).to(DEV, torch.bfloat16)
+    f = torch.randn(t, c, generator=g).to(DEV, torch.bfloat16)
 
-    def run():
+    def run(phi):
         y, h_pre, h_post, h_res = triton_pre.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
         return y, h_pre, h_post, h_res, triton_combine.combine(x, f, None, h_res, h_post, n=n)
 
-    with torch.enable_grad():  # through the autograd functions: an input requires grad
-        want = [o.detach() for o in run_with_grad(run, phi)]
+    # through the autograd functions: an input requires grad
+    want = [o.detach() for o in run(phi.clone().requires_grad_())]
     applied = []
     for fn in (triton_pre._PreFn, triton_combine._CombineFn):
         monkeypatch.setattr(fn, "apply", lambda *a, fn=fn: applied.append(fn) or 1 / 0)
     with torch.no_grad():
-        got = run()
-    got_no_input_needs_grad = run()
+        got = run(phi)
+    got_no_input_needs_grad = run(phi)
     assert not applied
     for w, a, b in zip(want, got, got_no_input_needs_grad):
         assert torch.equal(w, a) and torch.equal(w, b) and a.grad_fn is None
-
-
-def run_with_grad(run, param):
-    """``run()`` with ``param`` requiring grad (restored after)."""
-    param.requires_grad_(True)
-    try:
-        return run()
-    finally:
-        param.requires_grad_(False)
