@@ -530,3 +530,31 @@ def test_ops_without_autograd_skip_the_autograd_functions(monkeypatch):
     assert not applied
     for w, a, b in zip(want, got, got_no_input_needs_grad):
         assert torch.equal(w, a) and torch.equal(w, b) and a.grad_fn is None
+
+
+def test_ops_in_inference_mode_under_enable_grad_run_without_autograd():
+    """Megatron runs bias-dropout-add under ``torch.enable_grad`` also inside its inference
+    engines' ``torch.inference_mode``: there the combine gets inference tensors and a bias
+    parameter that requires grad. Nothing can be saved for backward, so the ops run without
+    autograd, with the bits of the same ops on inputs that do not require grad."""
+    from mhc_megatron.kernels import triton_combine, triton_pre
+
+    n, c, t = 4, 24, 5
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(t, n * c, generator=g).to(DEV, torch.bfloat16)
+    f = torch.randn(t, c, generator=g).to(DEV, torch.bfloat16)
+    params = (*_params(n, c, 3), torch.randn(c, generator=g).to(DEV, torch.bfloat16))
+
+    def run(phi, alpha, bias, f_bias):
+        y, h_pre, h_post, h_res = triton_pre.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+        with torch.enable_grad():  # as Megatron's bias_dropout_add_exec_handler
+            out = triton_combine.combine(x, f, f_bias, h_res, h_post, n=n)
+            x2, y2 = triton_combine.combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=n)
+            y3 = triton_pre.aggregate(x2, h_pre, n=n)
+        return y, h_pre, h_post, h_res, out, x2, y2, y3
+
+    want = run(*params)
+    with torch.inference_mode():
+        got = run(*(p.clone().requires_grad_() for p in params))
+    for w, a in zip(want, got):
+        assert torch.equal(w, a) and a.grad_fn is None and not a.requires_grad

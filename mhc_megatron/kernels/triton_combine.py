@@ -25,6 +25,7 @@ from mhc_megatron.kernels.triton_common import (
     _check,
     contiguous_f32,
     plan,
+    records_autograd,
     stream_strides,
     streams_operand,
     token_block,
@@ -228,11 +229,10 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     If ``h_res`` comes from :func:`~mhc_megatron.kernels.triton_pre.pre` on this same ``x``,
     the combine's ``dx = H_res^T g`` is formed inside pre's backward kernel, which adds it to
     pre's own: never written, never summed by autograd (see
-    :class:`~mhc_megatron.kernels.handoff.DxLink`). Without autograd (no grad mode, or no
-    input that requires grad) the kernel runs without an autograd function around it."""
-    if not (torch.is_grad_enabled() and (
-            x.requires_grad or f.requires_grad or h_res.requires_grad or h_post.requires_grad
-            or (f_bias is not None and f_bias.requires_grad))):
+    :class:`~mhc_megatron.kernels.handoff.DxLink`). Without autograd (no grad mode, inference
+    mode, or no input that requires grad) the kernel runs without an autograd function around
+    it."""
+    if not records_autograd(x, f, f_bias, h_res, h_post):
         return _combine_forward(x, f, f_bias, h_res, h_post, n)[0]
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not link.claim(x):
@@ -247,8 +247,7 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
     next pre's (fp32); ``y`` is ``[T, C]``, or ``[..., C]`` for the streams ``[..., n*C]``.
     No autograd: ``mhc_recompute`` replays the pair with it in backward (the Triton ops'
     ``replay_combine_aggregate``, :class:`~mhc_megatron.kernels.dispatch.MHCOps`)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, f, f_bias, h_res, h_post, h_pre)):
+    if records_autograd(x, f, f_bias, h_res, h_post, h_pre):
         raise RuntimeError("triton_mhc.combine_aggregate has no backward: it is the recompute's "
                            "replay of a combine and the next aggregate. Fix: call it under "
                            "torch.no_grad(), or use combine and pre.")

@@ -25,6 +25,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def records_autograd(*tensors) -> bool:
+    """Whether autograd records an op on ``tensors`` (None entries ignored): grad mode on,
+    not in ``torch.inference_mode`` and one of them requires grad. Inference mode counts as
+    no autograd also under ``torch.enable_grad``: Megatron runs its bias-dropout-add under
+    ``enable_grad`` even inside its inference engines' ``inference_mode``, where no tensor can
+    be saved for backward and built-in ops record nothing."""
+    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and any(t is not None and t.requires_grad for t in tensors))
+
+
 MAPPING_FORMS = ("paper", "deepseek_v4")
 
 

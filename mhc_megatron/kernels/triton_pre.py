@@ -33,6 +33,7 @@ from mhc_megatron.kernels.triton_common import (
     forced_precision,
     form_flags,
     plan,
+    records_autograd,
     streams_operand,
 )
 from mhc_megatron.kernels.triton_pre_bwd import (
@@ -145,10 +146,10 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER):
     (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph).
     The mappings in ``form`` (a :class:`~mhc_megatron.kernels.reference.MappingForm`: the
     paper's, or DeepSeek-V4's; ``transposed``: ``h_res = M^T``). Without autograd (no grad
-    mode, or no input that requires grad: inference, evaluation) the kernels run without an
-    autograd function around them."""
-    if not (torch.is_grad_enabled() and (x.requires_grad or phi.requires_grad
-                                         or alpha.requires_grad or bias.requires_grad)):
+    mode, inference mode, or no input that requires grad: inference, evaluation) the kernels
+    run without an autograd function around them
+    (:func:`~mhc_megatron.kernels.triton_common.records_autograd`)."""
+    if not records_autograd(x, phi, alpha, bias):
         return _pre_forward(x, phi, alpha, bias, sinkhorn_iterations, eps, n, form)[0]
     link = DxLink(x) if x.requires_grad else None
     outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form)
@@ -164,7 +165,7 @@ def aggregate(x, h_pre, n=None):
     x, bcast = streams_operand(x)
     T, n_streams, C = dims = token_dims(x, n)
     _check(x, n_streams)
-    if torch.is_grad_enabled() and (x.requires_grad or h_pre.requires_grad):
+    if records_autograd(x, h_pre):
         raise RuntimeError("triton_mhc.aggregate has no backward: it is the recompute's replay "
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
     y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
