@@ -139,8 +139,9 @@ def test_fully_sharded_data_parallel_matches_ddp(setup, tmp_path):
     """torch FSDP2 through Megatron's ``TorchFullyShardedDataParallel`` (and on GPUs
     Megatron-FSDP, ``optim_grads_params`` and ``optim_grads``) at DP=2 == Megatron's DDP at
     DP=2: every step's loss and grad norm over 3 Adam steps (fp32; on GPUs also bf16), the mHC
-    parameters sharded (DTensors) and updated; the baseline's differences beside. An FSDP2
-    checkpoint (torch DCP) loads into a plain model to the same logits, bit for bit."""
+    parameters sharded (DTensors) and updated; the baseline's differences beside. A checkpoint
+    in the format Megatron saves it in (FSDP2: torch DCP; on GPUs also Megatron-FSDP's
+    ``fsdp_dtensor``) loads into a plain model to the same logits, bit for bit."""
     out = _torchrun("fsdp_equivalence.py", setup, str(tmp_path))
     _expect(out, ["fsdp2 checkpoint -> plain model "])
     if setup == "cpu":
@@ -149,6 +150,7 @@ def test_fully_sharded_data_parallel_matches_ddp(setup, tmp_path):
         _expect(out, [f"{w} dp=2 bf16={b} " for w in ("fsdp2", "megatron_fsdp_optim_grads_params",
                                                       "megatron_fsdp_optim_grads")
                       for b in (False, True)])
+        _expect(out, ["megatron_fsdp_optim_grads_params checkpoint -> plain model "])
 
 
 @pytest.mark.distributed

@@ -246,3 +246,21 @@ def test_help_repair_safety_net_escapes_only_bare_percent():
     assert "at most 50% (default 7, 100%)" in text and "fine: 3" in text
     assert "%(nonexistent)s and 5%" in text
     assert repair_help_strings(parser) == []  # idempotent
+
+
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--use-distributed-optimizer", "--untie-embeddings-and-output-weights"]
+
+
+@pytest.mark.parametrize("mhc", [[], ["--enable-hyper-connections"]], ids=["baseline", "mhc"])
+def test_megatron_refuses_megatron_fsdp_checkpoints_without_megatron_fsdp(mhc, monkeypatch):
+    """Megatron-Core 0.19.2's loop cannot move a Megatron-FSDP checkpoint into a model without
+    Megatron-FSDP, for any model: Megatron-FSDP saves only ``fsdp_dtensor``, and
+    ``fsdp_dtensor`` loads only under Megatron-FSDP (both refused at argument validation,
+    mHC or not). Such a checkpoint loads into a plain model by torch's distributed checkpoint
+    (``tests/distributed/fsdp_equivalence.py``, on GPUs)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # (Megatron-FSDP's requirement)
+    with pytest.raises(AssertionError, match="Megatron-FSDP requires the `fsdp_dtensor`"):
+        _args(*mhc, *MEGATRON_FSDP, "--ckpt-format", "torch_dist", monkeypatch=monkeypatch)
+    with pytest.raises(AssertionError, match="fsdp_dtensor is only tested with Megatron FSDP"):
+        _args(*mhc, "--ckpt-format", "fsdp_dtensor", monkeypatch=monkeypatch)

@@ -15,8 +15,9 @@ is printed, not bounded: Adam turns the rounding noise of a near-zero gradient i
 step (the mHC mapping biases have such entries; the baseline's attention biases too, less
 so). The baseline (mHC off) runs the same comparison; its differences are printed beside
 mHC's. fp32 on CPU ranks; on GPUs also bf16. Megatron-FSDP is CUDA-only (it places its
-buffers on the current CUDA device). Last, a checkpoint: an mHC model trained under FSDP2 and
-saved with torch's distributed checkpoint loads into a plain model to the same logits.
+buffers on the current CUDA device). Last, checkpoints: an mHC model trained under FSDP2
+(and on GPUs under Megatron-FSDP) and saved in the format Megatron saves it in (``torch_dcp``;
+``fsdp_dtensor``) loads into a plain model to the same logits.
 ``tp`` as the argument (GPUs): TP=2 (DP=1) under Megatron-FSDP equals TP=2 under DDP
 (baseline and mHC); the mHC parameters are replicated over tensor parallelism (Megatron-FSDP's
 registry classifies them so) and must stay equal on both TP ranks.
@@ -134,18 +135,61 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-def check_checkpoint(root: str) -> None:
-    """An mHC model trained a step under FSDP2 and saved with torch's distributed checkpoint
-    (its sharded DTensor state dict, as Megatron's ``torch_dcp`` format saves it) loads into
-    a plain, unsharded model of another initialisation: the same logits, bit for bit."""
+def _save_as_megatron(wrapper: str, model, wrapped, cfg, path: str) -> None:
+    """The model state of ``model`` in ``wrapped`` saved as Megatron's loop saves it: FSDP2's sharded state dict
+    with torch's distributed checkpoint (its ``torch_dcp`` format, the model's own keys);
+    Megatron-FSDP's as its ``fsdp_dtensor`` format (``{"model": the wrapper's
+    state_dict_for_save_checkpoint()}`` through Megatron's own
+    ``preprocess_fsdp_dtensor_state_dict``, then torch's distributed checkpoint)."""
+    import types
+
     import torch.distributed.checkpoint as dcp
 
+    if wrapper == "fsdp2":
+        dcp.save(model.state_dict(), checkpoint_id=path)
+        return
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    args = types.SimpleNamespace(swiglu=cfg.gated_linear_unit, num_experts=cfg.num_moe_experts)
+    state = preprocess_fsdp_dtensor_state_dict(
+        args, {"model": wrapped.state_dict_for_save_checkpoint()}, wrapped)
+    dcp.save(state, checkpoint_id=path)
+
+
+def _load_into_plain(plain, path: str) -> int:
+    """Loads the checkpoint at ``path`` into the plain (unwrapped, unsharded) model by torch's
+    distributed checkpoint, each saved tensor into the plain parameter of its name (the
+    format's ``model.`` and the wrappers' ``module.`` prefixes off); every parameter of
+    ``plain`` must be in it. The number of mHC tensors loaded."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = plain.state_dict()
+    target = {}
+    for key in saved:
+        name = _unwrapped(key[len("model."):] if key.startswith("model.") else key)
+        if name in state:
+            target[key] = state[name]
+    loaded = {_unwrapped(k[len("model."):] if k.startswith("model.") else k) for k in target}
+    missing = sorted(n for n, _ in plain.named_parameters() if n not in loaded)
+    assert not missing, f"parameters not in the checkpoint: {missing[:5]}"
+    dcp.load(target, checkpoint_id=path)
+    plain.load_state_dict(state)
+    return sum("hyper_connection" in n for n in loaded)
+
+
+def check_checkpoint(root: str, wrapper: str) -> None:
+    """An mHC model trained a step under ``wrapper`` (FSDP2, or Megatron-FSDP
+    ``optim_grads_params``) and saved in the format Megatron's loop saves it in
+    (:func:`_save_as_megatron`) loads into a plain, unsharded model of another
+    initialisation: the same logits, bit for bit. (Megatron-Core 0.19.2's own loop does not
+    load a Megatron-FSDP checkpoint without Megatron-FSDP: ``tests/test_training_args.py``.)"""
     cfg = _config(True, False)
     model = harness.model(cfg)
-    wrapped, opt = _wrap("fsdp2", cfg, model, False)
+    wrapped, opt = _wrap(wrapper, cfg, model, False)
     _step(wrapped, opt, 0)
-    path = os.path.join(root, "fsdp2_dcp")
-    dcp.save(model.state_dict(), checkpoint_id=path)
+    path = os.path.join(root, f"{wrapper}_checkpoint")
+    _save_as_megatron(wrapper, model, wrapped, cfg, path)
     ids, pos, mask, _ = batch(seed=7, device=harness.DEVICE)
     with torch.no_grad():
         sharded_logits = wrapped(ids, pos, mask)
@@ -153,16 +197,13 @@ def check_checkpoint(root: str) -> None:
     plain = harness.model(cfg)
     with torch.no_grad():
         assert not torch.equal(plain(ids, pos, mask), sharded_logits)  # before the load
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    plain.load_state_dict(state)
+    n_mhc = _load_into_plain(plain, path)
     with torch.no_grad():
         plain_logits = plain(ids, pos, mask)
     assert torch.equal(sharded_logits, plain_logits), \
         harness.relative_error(plain_logits, sharded_logits)
-    n_mhc = sum("hyper_connection" in k for k in state)
     assert n_mhc == 6 * cfg.num_layers, n_mhc
-    print(f"PASS rank={torch.distributed.get_rank()} fsdp2 checkpoint -> plain model "
+    print(f"PASS rank={torch.distributed.get_rank()} {wrapper} checkpoint -> plain model "
           f"{harness.describe()} logits bitwise, mhc_tensors={n_mhc}", flush=True)
 
 
@@ -246,7 +287,8 @@ def main():
     for wrapper in WRAPPERS if cuda else WRAPPERS[:1]:
         for bf16 in (False, True) if cuda else (False,):
             check(wrapper, bf16)
-    check_checkpoint(sys.argv[1])
+    for wrapper in ("fsdp2", "megatron_fsdp_optim_grads_params") if cuda else ("fsdp2",):
+        check_checkpoint(sys.argv[1], wrapper)
 
 
 if __name__ == "__main__":
