@@ -136,9 +136,9 @@ def _unwrapped(name: str) -> str:
 
 
 def _save_as_megatron(wrapper: str, model, wrapped, cfg, path: str) -> None:
-    """The model state of ``model`` in ``wrapped`` saved as Megatron's loop saves it: FSDP2's sharded state dict
-    with torch's distributed checkpoint (its ``torch_dcp`` format, the model's own keys);
-    Megatron-FSDP's as its ``fsdp_dtensor`` format (``{"model": the wrapper's
+    """The state of ``model`` (in ``wrapped``) saved as Megatron's loop saves it: FSDP2's
+    sharded state dict with torch's distributed checkpoint (its ``torch_dcp`` format, the
+    model's own keys); Megatron-FSDP's as its ``fsdp_dtensor`` format (``{"model": the wrapper's
     state_dict_for_save_checkpoint()}`` through Megatron's own
     ``preprocess_fsdp_dtensor_state_dict``, then torch's distributed checkpoint)."""
     import types
@@ -163,14 +163,13 @@ def _load_into_plain(plain, path: str) -> int:
     ``plain`` must be in it. The number of mHC tensors loaded."""
     import torch.distributed.checkpoint as dcp
 
+    def model_name(key: str) -> str:  # a saved key as the plain model names it
+        return _unwrapped(key[len("model."):] if key.startswith("model.") else key)
+
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = plain.state_dict()
-    target = {}
-    for key in saved:
-        name = _unwrapped(key[len("model."):] if key.startswith("model.") else key)
-        if name in state:
-            target[key] = state[name]
-    loaded = {_unwrapped(k[len("model."):] if k.startswith("model.") else k) for k in target}
+    target = {key: state[model_name(key)] for key in saved if model_name(key) in state}
+    loaded = {model_name(key) for key in target}
     missing = sorted(n for n, _ in plain.named_parameters() if n not in loaded)
     assert not missing, f"parameters not in the checkpoint: {missing[:5]}"
     dcp.load(target, checkpoint_id=path)
