@@ -272,7 +272,7 @@ def test_megatron_fsdp_swiglu_save_as_baseline_gpu(corpus, tmp_path):
     """A SwiGLU model under Megatron-FSDP saved at iteration 3 (``fsdp_dtensor``): mHC does what
     the baseline does. If the baseline saves, mHC saves too; if Megatron-Core 0.19.2 stops the
     baseline (its ``handle_swiglu_in_state_dict`` looks parameters up under one ``module.``
-    prefix too many), mHC stops with the same error on every rank, and the test says so."""
+    prefix too many), mHC stops with the same error, and the test says so."""
     runs = {}
     for name, flags in (("baseline", []), ("mhc", MHC)):
         runs[name] = pretrain(corpus, *flags, *MEGATRON_FSDP, "--save", str(tmp_path / name),
@@ -286,7 +286,8 @@ def test_megatron_fsdp_swiglu_save_as_baseline_gpu(corpus, tmp_path):
     error = last_error_line(base.out)
     assert error and mhc.returncode != 0, (error, mhc.out[-3000:])
     assert last_error_line(mhc.out) == error, (last_error_line(mhc.out), error)
-    assert mhc.out.count(error) >= 2, mhc.out[-3000:]  # both ranks
+    # (Megatron's own error, the baseline's too: torchrun stops the other rank as soon as one
+    # fails, so the other rank may not get to print it)
     pytest.xfail(f"Megatron-Core 0.19.2 cannot save this baseline either: {error}")
 
 
