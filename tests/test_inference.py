@@ -113,3 +113,21 @@ def test_greedy_reference_and_its_verdicts():
     diverged = greedy_mismatch(model, [1], [2, 7, 0, 1])
     assert diverged["step"] == 1 and not diverged["tie"]
     assert (diverged["got"], diverged["want"], diverged["reference"]) == (7, 3, [2, 3, 4, 5])
+
+
+def test_forward_in_inference_mode_equals_no_grad_on_the_triton_ops(seeded, device):
+    """Megatron's engines run the model under ``torch.inference_mode``, and its layers run
+    bias-dropout-add under ``torch.enable_grad`` inside it: the combine then gets a linear
+    bias that requires grad and inference tensors. The forward runs there on the Triton ops
+    (the interpreter on CPU) to the bits of the same forward under ``no_grad``."""
+    cfg = dataclasses.replace(tiny_config(num_layers=2), mhc_kernel_backend="triton")
+    assert cfg.add_bias_linear  # the sublayers hand the combine their bias
+    model = build_gpt(cfg, device).eval()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=g).to(device)
+    pos = torch.arange(8, device=device).unsqueeze(0).expand(2, 8)
+    with torch.no_grad():
+        want = model(ids, pos, None)
+    with torch.inference_mode():
+        got = model(ids, pos, None)
+    assert torch.equal(got, want)
