@@ -31,8 +31,12 @@ def records_autograd(*tensors) -> bool:
     no autograd also under ``torch.enable_grad``: Megatron runs its bias-dropout-add under
     ``enable_grad`` even inside its inference engines' ``inference_mode``, where no tensor can
     be saved for backward and built-in ops record nothing."""
-    return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-            and any(t is not None and t.requires_grad for t in tensors))
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return False
+    for t in tensors:  # (a loop, not a generator: this runs on every op call)
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 MAPPING_FORMS = ("paper", "deepseek_v4")
