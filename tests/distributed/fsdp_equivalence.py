@@ -106,13 +106,43 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
             p.copy_(weights[n])
     wrapped, opt = _wrap(wrapper, cfg, model, bf16)
     losses, norms = zip(*(_step(wrapped, opt, step) for step in range(STEPS)))
-    params = {}
-    for n, p in wrapped.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        params[_unwrapped(n)] = full.detach().float().clone()
     sharded = [isinstance(p, DTensor) for n, p in _managed_parameters(wrapped)
                if "hyper_connection" in n]
+    params = _full_parameters(wrapper, wrapped, cfg.params_dtype)
     return list(losses), list(norms), weights, params, sharded
+
+
+def _full_parameters(wrapper: str, wrapped, dtype: torch.dtype) -> dict:
+    """Every parameter after the last step, whole (fp32 copies of the model's ``dtype``
+    values) by the model's own names, the same on every data-parallel rank (checked).
+
+    Megatron-FSDP: its optimizer step ends in an asynchronous all-gather of the updated
+    parameters (``optim_grads_params``), which the next forward's pre-hooks wait for;
+    ``stop_communication`` waits for it here and installs the parameters as Megatron-FSDP's
+    DTensors, the fp32 main weights (cast to ``dtype``: the compute weights' bits). Their
+    shards are a bucket's row range each, uneven, which ``DTensor.full_tensor`` (even chunks)
+    cannot gather: Megatron's own ``uneven_dtensor_to_full_tensor``, as its checkpointing."""
+    from megatron.core import parallel_state
+    from torch.distributed.tensor import DTensor
+
+    to_full = DTensor.full_tensor
+    if wrapper.startswith("megatron_fsdp_"):
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+            uneven_dtensor_to_full_tensor as to_full,
+        )
+
+        wrapped.stop_communication()
+    params = {}
+    for n, p in wrapped.named_parameters():  # the same order on every rank (collectives)
+        full = to_full(p) if isinstance(p, DTensor) else p
+        params[_unwrapped(n)] = full.detach().to(dtype).float().clone()
+    group = parallel_state.get_data_parallel_group()
+    for n, p in params.items():  # replicas: a read before the gather finished would differ
+        copies = [torch.empty_like(p) for _ in range(group.size())]
+        torch.distributed.all_gather(copies, p.contiguous(), group=group)
+        assert all(torch.equal(c, copies[0]) for c in copies), \
+            f"{wrapper}: {n} differs between the data-parallel ranks after the steps"
+    return params
 
 
 def _managed_parameters(wrapped) -> list:
