@@ -292,7 +292,7 @@ def null_ops():
     kernel (see ``--breakdown``); the paper form's model only (no output head)."""
     from mhc_megatron.kernels.dispatch import MHCOps
 
-    def pre(x, phi, alpha, bias, iterations, eps, n=None, form=None):
+    def pre(x, phi, alpha, bias, iterations, eps, n=None, form=None, main_grads=False):
         return _NullPre.apply(x, phi, alpha, bias, n)
 
     def combine(x, f, f_bias, h_res, h_post, n=None):

@@ -72,7 +72,10 @@ class MHCOps:
 # The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
 # view of the embeddings, stream stride 0) is copied, so that the reference runs the same ops
 # on the same values as on materialised streams (the fused ops read the view as it is).
-def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None, form=reference.PAPER):
+def _reference_pre(x, phi, alpha, bias, iterations, eps, n=None, form=reference.PAPER,
+                   main_grads=False):
+    # (main_grads: the Triton pre's gradient-accumulation fusion; here autograd hands the
+    # parameters' gradients to Megatron's hook, the same values)
     x = x.contiguous()
     y, h_pre, h_post, h_res = reference.pre(reference.as_tokens(x, n), phi, alpha, bias,
                                             iterations, eps, form)

@@ -40,6 +40,7 @@ from mhc_megatron.kernels.triton_pre_bwd import (
     _DHPRE,
     _MAPS_BWD,
     _PARAM_GRADS,
+    GRAD_ROUND_CODES,
     _launch_dx_dphi,
     _PreBackwardPlan,
 )
@@ -88,10 +89,12 @@ class _PreFn(torch.autograd.Function):
     token."""
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None, form=PAPER):
+    def forward(ctx, x, phi, alpha, bias, iters, eps, link, n_streams=None, form=PAPER,
+                main_grads=False):
         outs, saved, ctx.bcast, ctx.dims = _pre_forward(x, phi, alpha, bias, iters, eps,
                                                         n_streams, form)
         ctx.save_for_backward(*saved, outs[1])
+        ctx.params = (phi, alpha, bias) if main_grads else None  # (the Parameter objects)
         ctx.iters = int(iters)
         ctx.n_streams = n_streams
         ctx.link = link
@@ -115,7 +118,10 @@ class _PreFn(torch.autograd.Function):
         dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
             dx = x.new_zeros(x.shape)
-            return dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None, None
+            return (dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None, None,
+                    None)
+        main_grads = None if ctx.params is None else _main_grads(ctx.params,
+                                                                ctx.needs_input_grad[1:4])
         dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
@@ -126,7 +132,8 @@ class _PreFn(torch.autograd.Function):
         dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
         fold = g_combine is not None
         sig = signature(x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
-                        *((g_combine, h_res_combine) if fold else ()), extra=(ctx.iters,))
+                        *((g_combine, h_res_combine) if fold else ()), *(main_grads or ()),
+                        extra=(ctx.iters,))
         _DHPRE.signed(p, sig, p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
         _MAPS_BWD.signed(p, sig, (p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre,
                          dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, p.K,
@@ -135,12 +142,43 @@ class _PreFn(torch.autograd.Function):
         _launch_dx_dphi(p, sig, x, dy, h_pre, dp, coef, phi,
                         g_combine if fold else x, h_res_combine if fold else h_pre,  # unread
                         dx, dphi_part, T, C, p.dx_per)
-        _PARAM_GRADS.signed(p, sig, p.grads_grid, p.grads_meta, dphi_part, red_part, dphi,
-                            dbias, dalpha, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
-        return dx, dphi, dalpha, dbias, None, None, None, None, None
+        if main_grads is None:
+            _PARAM_GRADS.signed(p, sig, p.grads_grid, p.grads_meta, dphi_part, red_part, dphi,
+                                dbias, dalpha, p.dx_splits, p.mp * p.K, p.m * p.K,
+                                p.map_programs)
+        else:  # added to the main_grads; what autograd gets for phi, alpha, bias is unread
+            phi_main, alpha_main, bias_main = main_grads
+            _PARAM_GRADS.signed(p, sig, p.grads_grid, p.accumulate_meta(phi.dtype), dphi_part,
+                                red_part, phi_main, bias_main, alpha_main, p.dx_splits,
+                                p.mp * p.K, p.m * p.K, p.map_programs)
+            for param in ctx.params:
+                param.grad_added_to_main_grad = True
+        return dx, dphi, dalpha, dbias, None, None, None, None, None, None
 
 
-def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER):
+def _main_grads(params, needs_grad) -> tuple | None:
+    """The ``main_grad`` buffers of pre's parameters ``(phi, alpha, bias)`` where their
+    gradients can be added to them in the kernel, as Megatron's linear layers do with
+    ``gradient_accumulation_fusion``: each parameter needs a gradient and has a ``main_grad``
+    of its shape (contiguous, fp32/bf16/fp16) and Megatron's ``grad_added_to_main_grad``
+    flag (its DDP and Megatron-FSDP set it: their gradient hook then skips the parameter's
+    ``.grad``), none asks for ``zero_out_wgrad``, and the three share a dtype. Else None: the
+    gradients go to autograd."""
+    if not all(needs_grad):
+        return None
+    grads = []
+    for param in params:
+        main = getattr(param, "main_grad", None)
+        if (main is None or not hasattr(param, "grad_added_to_main_grad")
+                or getattr(param, "zero_out_wgrad", False) or main.shape != param.shape
+                or main.dtype not in GRAD_ROUND_CODES or not main.is_contiguous()
+                or param.dtype != params[0].dtype or main.device != param.device):
+            return None
+        grads.append(main)
+    return tuple(grads)
+
+
+def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER, main_grads=False):
     """Fused mappings + aggregate: ``(y, h_pre [T,n], h_post [T,n], h_res [T,n,n])`` for
     ``x [T, n, C]`` (``y [T, C]``) or, with ``n`` given, for the streams ``x [..., n*C]``
     (``y [..., C]``; no reshape outside the op, so no view nodes in the autograd graph).
@@ -148,11 +186,18 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER):
     paper's, or DeepSeek-V4's; ``transposed``: ``h_res = M^T``). Without autograd (no grad
     mode, inference mode, or no input that requires grad: inference, evaluation) the kernels
     run without an autograd function around them
-    (:func:`~mhc_megatron.kernels.triton_common.records_autograd`)."""
+    (:func:`~mhc_megatron.kernels.triton_common.records_autograd`).
+
+    ``main_grads`` (Megatron's ``gradient_accumulation_fusion``): in backward the gradients
+    of ``phi``, ``alpha`` and ``bias`` are added to their ``main_grad`` buffers by the kernel
+    that sums them, where Megatron's DDP (or Megatron-FSDP) manages those parameters
+    (:func:`_main_grads`), instead of being handed to autograd for its gradient hook to add;
+    bit for bit the hook's result, three launches fewer a sublayer."""
     if not records_autograd(x, phi, alpha, bias):
         return _pre_forward(x, phi, alpha, bias, sinkhorn_iterations, eps, n, form)[0]
     link = DxLink(x) if x.requires_grad else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form)
+    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form,
+                        main_grads)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs

@@ -205,14 +205,21 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
 @triton.jit
 def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS, SPLIT_STRIDE,
                  MK, ROWS, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
-                 ROWS_STEP: tl.constexpr, NALPHA: tl.constexpr):
+                 ROWS_STEP: tl.constexpr, NALPHA: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 GRAD_ROUND: tl.constexpr):
     """The parameter gradients from their partials, summed in a fixed order.
 
     Programs ``0 .. P-2``: ``dphi.flat[i] = sum_s dphi_part[s].flat[i]`` for ``i < M*K``
     (``dphi_part [SPLITS, MP, K]``: its first ``M`` rows, flattened, are ``dphi``'s layout).
     The last program: ``dbias[j] = sum_r red[r, j]`` and ``dalpha[g] = sum_r red[r, M + g]``
     for the ``NALPHA`` alphas (``red [ROWS, MP]``, ``M + NALPHA <= MP``, written by
-    ``_mappings_bwd``: 3 alphas, or the output head's weight kernel: 1)."""
+    ``_mappings_bwd``: 3 alphas, or the output head's weight kernel: 1).
+
+    ``ACCUMULATE`` (gradient-accumulation fusion): the outputs are the parameters'
+    ``main_grad`` buffers, and each gradient is added to them as Megatron's DDP hook adds a
+    parameter's gradient, ``main_grad += grad``: the sum rounded to the parameters' dtype
+    (``GRAD_ROUND``, :func:`_to_grad_dtype`) first, then added in fp32 and rounded once to the
+    buffer's dtype: the same bits."""
     pid = tl.program_id(0)
     if pid == tl.num_programs(0) - 1:
         j = tl.arange(0, MP)
@@ -222,9 +229,9 @@ def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS
             red2 += tl.load(red_ptr + (r0 + r)[:, None] * MP + j[None, :],
                             mask=(r0 + r < ROWS)[:, None], other=0.0)
         red = tl.sum(red2, axis=0)
-        tl.store(dbias_ptr + j, red.to(dbias_ptr.dtype.element_ty), mask=j < M)
-        tl.store(dalpha_ptr + (j - M), red.to(dalpha_ptr.dtype.element_ty),
-                 mask=(j >= M) & (j < M + NALPHA))
+        _store_grad(dbias_ptr + j, red, j < M, ACCUMULATE, GRAD_ROUND)
+        _store_grad(dalpha_ptr + (j - M), red, (j >= M) & (j < M + NALPHA), ACCUMULATE,
+                    GRAD_ROUND)
     else:
         i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < MK
@@ -233,7 +240,29 @@ def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS
         for _ in range(SPLITS):  # pointer steps: no int32 product of the split and its stride
             dphi += tl.load(src, mask=mask, other=0.0)
             src += SPLIT_STRIDE
-        tl.store(dphi_ptr + i, dphi.to(dphi_ptr.dtype.element_ty), mask=mask)
+        _store_grad(dphi_ptr + i, dphi, mask, ACCUMULATE, GRAD_ROUND)
+
+
+@triton.jit
+def _to_grad_dtype(v, GRAD_ROUND: tl.constexpr):
+    """fp32 ``v`` rounded to the parameters' dtype and back: ``GRAD_ROUND`` 0 fp32 (as is),
+    1 bf16, 2 fp16 (:data:`GRAD_ROUND_CODES`)."""
+    if GRAD_ROUND == 1:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    elif GRAD_ROUND == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _store_grad(ptr, g, mask, ACCUMULATE: tl.constexpr, GRAD_ROUND: tl.constexpr):
+    """A parameter gradient ``g`` (fp32 sums) stored at ``ptr`` in its dtype, or with
+    ``ACCUMULATE`` added to the ``main_grad`` there (see :func:`_param_grads`)."""
+    if ACCUMULATE:
+        prev = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptr, (prev + _to_grad_dtype(g, GRAD_ROUND)).to(ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptr, g.to(ptr.dtype.element_ty), mask=mask)
 
 
 
@@ -272,7 +301,22 @@ class _BackwardShapes(LaunchPlan):
         self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
         self.grads_meta = Meta(M=m, MP=mp, BLOCK=_PARAM_GRADS_BLOCK,
                                ROWS_STEP=max(1, min(32, next_pow2(map_programs))),
-                               NALPHA=nalpha, num_warps=4)
+                               NALPHA=nalpha, ACCUMULATE=False, GRAD_ROUND=0, num_warps=4)
+        self._accumulate_metas: dict = {}
+
+    def accumulate_meta(self, grad_dtype: torch.dtype) -> Meta:
+        """``grads_meta`` with ``ACCUMULATE`` for parameters of ``grad_dtype``."""
+        meta = self._accumulate_metas.get(grad_dtype)
+        if meta is None:
+            meta = self._accumulate_metas[grad_dtype] = Meta(**{
+                **self.grads_meta.kwargs, "ACCUMULATE": True,
+                "GRAD_ROUND": GRAD_ROUND_CODES[grad_dtype]})
+        return meta
+
+
+# _param_grads' GRAD_ROUND: the parameters' dtype, to which a gradient is rounded before it is
+# added to a main_grad
+GRAD_ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class _PreBackwardPlan(_BackwardShapes):

@@ -222,7 +222,8 @@ class HyperConnectionModule(MappingParameters):
         x, n = self._op_input(streams)
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
-                                          self.config.mhc_rms_eps, n=n, form=self.mapping)
+                                          self.config.mhc_rms_eps, n=n, form=self.mapping,
+                                          main_grads=self.config.gradient_accumulation_fusion)
         # mhc_recompute: only y (as large as a stream) is recomputed, by the aggregate from the
         # kept per-token mappings
         record_as(y, ops.aggregate, x, h_pre, n=n)
