@@ -404,7 +404,8 @@ def test_kernel_launches_per_sublayer(monkeypatch, small):
 def test_op_signatures_determine_the_argument_keys(monkeypatch):
     """Every launch of pre, combine, the aggregate and the fused replay, forward and backward,
     in each layout (streams, tokens, broadcast streams), with and without a bias, the fold or
-    not, fp32 and bf16, several token counts and Sinkhorn iterations, misaligned inputs:
+    not, fp32 and bf16, several token counts and Sinkhorn iterations, misaligned inputs,
+    the gradient-accumulation fusion into fp32 and bf16 ``main_grad`` views (some misaligned):
     wherever two launches share (launcher, meta, signature) they share the per-argument key
     too (the key is at least as fine as Triton's specialisation), so the kernel a signature
     names is the one Triton would pick. The kernels run in the interpreter; the check mode
@@ -431,9 +432,12 @@ def test_op_signatures_determine_the_argument_keys(monkeypatch):
              for with_bias in (False, True)]
     cases += [(bf16, 16, 32, 20, "streams", True), (f32, 7, 24, 1, "streams", False),
               (f32, 16, 32, 3, "streams", False), (bf16, 16, 32, 3, "broadcast", False)]
+    # the gradient-accumulation fusion: main_grad buffers of fp32 or bf16, aligned or not
+    cases += [(f32, 16, 32, 20, "streams", False, main) for main in
+              ("fp32", "bf16", "fp32 misaligned")]
     n = 4
     m = 2 * n + n * n
-    for dtype, t, c, iters, layout, with_bias in cases:
+    for dtype, t, c, iters, layout, with_bias, *main_grad in cases:
         rows = torch.randn(t, c, generator=g).to(dtype)
         if layout == "broadcast":
             x, n_arg = rows.view(t, 1, c).expand(t, n, c), None
@@ -448,9 +452,22 @@ def test_op_signatures_determine_the_argument_keys(monkeypatch):
         alpha = torch.full((3,), 0.5, requires_grad=True)
         bias = torch.zeros(m, requires_grad=True)
         f_bias = torch.randn(c, generator=g).to(dtype) if with_bias else None
-        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, iters, 1e-6, n=n_arg)
+        if main_grad:  # as Megatron's DDP: views into one buffer, flagged
+            main_dtype = bf16 if "bf16" in main_grad[0] else f32
+            skip = 1 if "misaligned" in main_grad[0] else 0
+            buffer = torch.zeros(skip + sum(p.numel() for p in (phi, alpha, bias)),
+                                 dtype=main_dtype)
+            start = skip
+            for p in (alpha, phi, bias):  # alpha's 3 elements first: the next start unaligned
+                p.main_grad = buffer[start:start + p.numel()].view(p.shape)
+                p.grad_added_to_main_grad = False
+                start += p.numel()
+        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, iters, 1e-6, n=n_arg,
+                                                 main_grads=bool(main_grad))
         out = triton_mhc.combine(x, y * 1.5, f_bias, h_res, h_post, n=n_arg)
         (out.float().square().sum() + y.float().sum()).backward()
+        assert all(getattr(p, "grad_added_to_main_grad", False) == bool(main_grad)
+                   for p in (phi, alpha, bias))
         with torch.no_grad():
             triton_mhc.aggregate(x, h_pre, n=n_arg)
             triton_mhc.combine_aggregate(x, y, f_bias, h_res, h_post, h_pre, n=n_arg)

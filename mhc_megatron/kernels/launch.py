@@ -96,8 +96,7 @@ def signature(*tensors, extra: tuple = ()) -> tuple | None:
     does not fix), or None where the direct path is off or a tensor is not 16-byte aligned
     (:meth:`Launcher.signed` then keys by argument), and where ``torch.compile`` traces or a
     launch hook is set (Triton's own launcher runs)."""
-    if ((Launcher._disabled is not None and Launcher._off_reason() is not None) or _compiling()
-            or _launch_hooks()):
+    if _signing_off():
         return None
     address = 0
     for t in tensors:
@@ -105,6 +104,21 @@ def signature(*tensors, extra: tuple = ()) -> tuple | None:
     if address & 15:
         return None
     return (torch._C._cuda_getDevice(), *[t.dtype for t in tensors], *extra)
+
+
+def signature_with_alignment(*tensors) -> tuple | None:
+    """:func:`signature` for tensors that may be misaligned (views into a larger buffer, such
+    as Megatron's ``main_grad``): each tensor's dtype and whether it is 16-byte aligned, so
+    that a misaligned one is signed too (None only where the direct path is off, ``torch.compile``
+    traces or a launch hook is set)."""
+    if _signing_off():
+        return None
+    return (torch._C._cuda_getDevice(), *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors])
+
+
+def _signing_off() -> bool:
+    return ((Launcher._disabled is not None and Launcher._off_reason() is not None)
+            or _compiling() or _launch_hooks())
 
 
 class LaunchPlan:

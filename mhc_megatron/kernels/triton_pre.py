@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from mhc_megatron.kernels.handoff import DxLink
-from mhc_megatron.kernels.launch import signature
+from mhc_megatron.kernels.launch import signature, signature_with_alignment
 from mhc_megatron.kernels.reference import PAPER, aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
     _check,
@@ -132,8 +132,7 @@ class _PreFn(torch.autograd.Function):
         dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
         fold = g_combine is not None
         sig = signature(x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
-                        *((g_combine, h_res_combine) if fold else ()), *(main_grads or ()),
-                        extra=(ctx.iters,))
+                        *((g_combine, h_res_combine) if fold else ()), extra=(ctx.iters,))
         _DHPRE.signed(p, sig, p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
         _MAPS_BWD.signed(p, sig, (p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre,
                          dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, p.K,
@@ -147,8 +146,9 @@ class _PreFn(torch.autograd.Function):
                                 dbias, dalpha, p.dx_splits, p.mp * p.K, p.m * p.K,
                                 p.map_programs)
         else:  # added to the main_grads; what autograd gets for phi, alpha, bias is unread
-            phi_main, alpha_main, bias_main = main_grads
-            _PARAM_GRADS.signed(p, sig, p.grads_grid, p.accumulate_meta(phi.dtype), dphi_part,
+            phi_main, alpha_main, bias_main = main_grads  # (views into DDP's buffer: some
+            _PARAM_GRADS.signed(p, signature_with_alignment(*main_grads),  # start unaligned)
+                                p.grads_grid, p.accumulate_meta(phi.dtype), dphi_part,
                                 red_part, phi_main, bias_main, alpha_main, p.dx_splits,
                                 p.mp * p.K, p.m * p.K, p.map_programs)
             for param in ctx.params:
