@@ -28,6 +28,9 @@ so wall time is host time:
   the host time until the step returns (all launched, before the sync) and the process CPU
   time over that span (every thread's: the autograd engine's too; a busy neighbour on the
   host stretches wall time more than CPU time);
+* ``--grad-fusion``: the dense model's step inside Megatron's DDP, baseline, mHC, and mHC
+  with ``gradient_accumulation_fusion`` (the mapping parameters' gradients added to DDP's
+  main grads by pre's backward kernel), alternating rounds;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -320,6 +323,54 @@ def breakdown_rows(args) -> list[str]:
         if isinstance(module, HyperConnectionModule):
             module._ops = lambda streams, ops=ops: ops  # this model's modules only
     steps = {name: make_step(m, shape, "local", DEVICE) for name, m in models.items()}
+    lines, lo = _alternating_table(steps, args.rounds, sub, "dense, 4 layers, local specs")
+    wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
+    kern = (lo["mHC"] - lo["mHC, null ops"]) / sub * 1e3
+    lines += ["", f"per sublayer (minimum): layer code around the ops {wrap:.0f} us, the ops "
+              f"{kern:.0f} us"]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def grad_fusion_rows(args) -> list[str]:
+    """``--grad-fusion``: the dense model's training step inside Megatron's DDP (fp32 main
+    grads), baseline, mHC, and mHC with ``gradient_accumulation_fusion`` for its mapping
+    parameters (the pre's backward adds their gradients to the main grads; DDP's hook adds
+    nothing for them), alternating rounds. The flag is set on the mHC model's config after it
+    is built: Megatron's own linear layers would need Apex for it, and only the mHC modules
+    read it at run time."""
+    shape = _dense_shape(args)
+    sub = 2 * shape["layers"]
+    built = {name: build(shape, "local", mhc, False, DEVICE, ddp=True)
+             for name, mhc in (("baseline", False), ("mHC", True))}
+    mhc_config = built["mHC"][1]
+
+    def with_fusion(step, fused: bool):
+        def run():
+            mhc_config.gradient_accumulation_fusion = fused
+            step()
+        return run
+
+    mhc_step = make_step(built["mHC"][0], shape, "local", DEVICE)
+    steps = {"baseline": make_step(built["baseline"][0], shape, "local", DEVICE),
+             "mHC": with_fusion(mhc_step, False),
+             "mHC, gradient_accumulation_fusion": with_fusion(mhc_step, True)}
+    try:
+        lines, lo = _alternating_table(steps, args.rounds, sub,
+                                       "dense, 4 layers, local specs, Megatron's DDP")
+    finally:
+        mhc_config.gradient_accumulation_fusion = False
+    saved = (lo["mHC"] - lo["mHC, gradient_accumulation_fusion"]) / sub * 1e3
+    lines += ["", f"per sublayer (minimum): the fusion saves {saved:.0f} us"]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def _alternating_table(steps: dict, rounds: int, sub: int, what: str):
+    """``steps`` timed in alternating rounds (10 steps each, synced; after 5 warm-up steps):
+    a table of each run's step time (minimum, median), its host time until the step returns
+    and its process CPU time over that span, and per sublayer over the first run
+    (``sub`` sublayers); ``(lines, minimum step ms by run)``."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     host: dict[str, list[float]] = {name: [] for name in steps}  # until step() returns
     cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU time, the same span
@@ -327,7 +378,7 @@ def breakdown_rows(args) -> list[str]:
         for _ in range(5):
             step()
     with gc_paused():
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, step in steps.items():
                 for _ in range(10):
                     _sync()
@@ -341,22 +392,18 @@ def breakdown_rows(args) -> list[str]:
     lo = {name: min(t) for name, t in times.items()}
     med = {name: statistics.median(t) for name, t in times.items()}
     cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
-    lines = ["| run (dense, 4 layers, local specs) | step ms, min | step ms, median | "
+    first = next(iter(steps))
+    lines = [f"| run ({what}) | step ms, min | step ms, median | "
              "host ms (until the step returns), min | process CPU ms (same span), median | "
-             "per sublayer over the baseline, us (min / median / CPU median) |",
+             f"per sublayer over the {first}, us (min / median / CPU median) |",
              "|---|---|---|---|---|---|"]
     for name in steps:
         lines.append(f"| {name} | {lo[name]:.2f} | {med[name]:.2f} | {min(host[name]):.2f} | "
                      f"{cpu_med[name]:.2f} | "
-                     f"{1e3 * (lo[name] - lo['baseline']) / sub:+.0f} / "
-                     f"{1e3 * (med[name] - med['baseline']) / sub:+.0f} / "
-                     f"{1e3 * (cpu_med[name] - cpu_med['baseline']) / sub:+.0f} |")
-    wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
-    kern = (lo["mHC"] - lo["mHC, null ops"]) / sub * 1e3
-    lines += ["", f"per sublayer (minimum): layer code around the ops {wrap:.0f} us, the ops "
-              f"{kern:.0f} us"]
-    print("\n".join(lines), flush=True)
-    return lines
+                     f"{1e3 * (lo[name] - lo[first]) / sub:+.0f} / "
+                     f"{1e3 * (med[name] - med[first]) / sub:+.0f} / "
+                     f"{1e3 * (cpu_med[name] - cpu_med[first]) / sub:+.0f} |")
+    return lines, lo
 
 
 @contextlib.contextmanager
@@ -461,6 +508,7 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--launch-ab", action="store_true")
+    p.add_argument("--grad-fusion", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state
@@ -507,6 +555,9 @@ def main(argv=None):
     if args.launch_ab:
         lines += ["", "Launches by signature against the per-argument key (alternating rounds)",
                   ""] + launch_ab_rows(args)
+    if args.grad_fusion:
+        lines += ["", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
+                  "(alternating rounds)", ""] + grad_fusion_rows(args)
     if not args.no_models:
         lines += ["", "step (ms): median of the rounds' medians (the rounds' range); per "
                   "sublayer: the growth / sublayers, us", "",

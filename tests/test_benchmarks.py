@@ -90,6 +90,19 @@ def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     assert "layers/hyper_connection.py" in text, text[:2000]
 
 
+def test_bench_host_grad_fusion_on_the_interpreter(tmp_path):
+    """``--grad-fusion`` times the baseline, mHC and mHC with the gradient-accumulation fusion,
+    each inside Megatron's DDP, side by side."""
+    out = tmp_path / "host.md"
+    run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
+               "--no-models", "--grad-fusion", "--rounds", "1", "--out", str(out),
+               env={"TRITON_INTERPRET": "1"})
+    rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
+            if line.startswith("| baseline") or line.startswith("| mHC")]
+    assert rows == ["baseline", "mHC", "mHC, gradient_accumulation_fusion"], rows
+    assert "the fusion saves" in out.read_text()
+
+
 def test_pretrain_report_reproduces_the_committed_table(tmp_path):
     """``pretrain_report.py`` on the committed 2-GPU pretraining logs writes the committed
     ``summary.md`` (the table benchmarks/RESULTS.md cites) and the loss curves."""
