@@ -12,6 +12,9 @@ so wall time is host time:
   forward and of their backward (the backward functions called on the main thread with the
   saved context, as autograd's engine calls them), median over ``--iters`` calls, and the
   kernel launches and tensor allocations each makes;
+* the same sublayer's ops as a model runs them: forward through the autograd functions and
+  ``torch.autograd.backward`` (on a GPU the backward functions run on autograd's device
+  thread), against the sum of the direct calls;
 * the physical floor: the host time of as many empty Triton kernel launches as one
   sublayer's ops make (forward and backward), through our launcher and through Triton's own,
   beside the sum of the four ops' host times (CUDA only);
@@ -141,6 +144,33 @@ def op_cases(tokens: int, hidden: int):
          lambda: _CombineFn.apply(x, f, None, h_res, h_post, None)),
         ("combine backward", lambda: _CombineFn.backward(comb_ctx, dout)),
     ]
+
+
+def sublayer_through_engine(tokens: int, hidden: int):
+    """One sublayer's ops as a model runs them: pre and combine forward through their autograd
+    functions, then ``torch.autograd.backward`` (on a GPU autograd's engine runs the backward
+    functions on its device thread, as in a model's step); the leaves' gradients are dropped
+    after each call, so none is accumulated with a kernel."""
+    from mhc_megatron.kernels import triton_mhc
+
+    dev, bf16 = DEVICE, torch.bfloat16
+    m = 2 * N + N * N
+    x = torch.randn(tokens, N * hidden, device=dev, dtype=bf16, requires_grad=True)
+    phi = (0.02 * torch.randn(m, N * hidden, device=dev)).requires_grad_()
+    alpha = torch.full((3,), 0.1, device=dev, requires_grad=True)
+    bias = torch.zeros(m, device=dev, requires_grad=True)
+    f = torch.randn(tokens, hidden, device=dev, dtype=bf16, requires_grad=True)
+    dout, dy = torch.randn_like(x), torch.randn(tokens, hidden, device=dev, dtype=bf16)
+    leaves = (x, phi, alpha, bias, f)
+
+    def run():
+        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS, n=N)
+        out = triton_mhc.combine(x, f, None, h_res, h_post, n=N)
+        torch.autograd.backward((out, y), (dout, dy))
+        for leaf in leaves:
+            leaf.grad = None
+
+    return run
 
 
 def model_rows(args) -> list[str]:
@@ -532,6 +562,13 @@ def main(argv=None):
         print(lines[-1], flush=True)
         total_us, total_launches = total_us + us, total_launches + launches
     lines.append(f"| one sublayer's ops (the rows above) | {total_us:.1f} | {total_launches} | |")
+    engine = sublayer_through_engine(args.tokens, args.hidden)
+    for _ in range(5):
+        engine()
+    lines.append(f"| one sublayer through autograd (pre and combine forward, their backward "
+                 f"run by autograd's engine) | {host_us(engine, args.iters):.1f} | "
+                 f"{launches_and_allocations(engine)[0]} | |")
+    print(lines[-1], flush=True)
     if DEVICE == "cuda":  # the floor those launches set (the interpreter launches nothing)
         lines += launch_floor_rows(total_launches, args.iters)
         print("\n".join(lines[-2:]), flush=True)

@@ -70,6 +70,7 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
              if line.startswith("| pre") or line.startswith("| combine")]
     assert names == ["pre forward (autograd apply)", "pre backward",
                      "combine forward (autograd apply)", "combine backward"]
+    assert "| one sublayer through autograd (" in table
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
     assert ab_rows == ["host us", *names, "dense mHC model step (4 layers), ms, min"], ab_rows
 
