@@ -161,9 +161,9 @@ def _main_grads(params, needs_grad) -> tuple | None:
     gradients can be added to them in the kernel, as Megatron's linear layers do with
     ``gradient_accumulation_fusion``: each parameter needs a gradient and has a ``main_grad``
     of its shape (contiguous, fp32/bf16/fp16) and Megatron's ``grad_added_to_main_grad``
-    flag (its DDP and Megatron-FSDP set it: their gradient hook then skips the parameter's
-    ``.grad``), none asks for ``zero_out_wgrad``, and the three share a dtype. Else None: the
-    gradients go to autograd."""
+    flag (Megatron's DDP sets it, and its gradient hook then skips the parameter's ``.grad``;
+    Megatron-FSDP follows the same protocol), none asks for ``zero_out_wgrad``, and the three
+    share a dtype. Else None: the gradients go to autograd."""
     if not all(needs_grad):
         return None
     grads = []
@@ -190,8 +190,8 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER, main_
 
     ``main_grads`` (Megatron's ``gradient_accumulation_fusion``): in backward the gradients
     of ``phi``, ``alpha`` and ``bias`` are added to their ``main_grad`` buffers by the kernel
-    that sums them, where Megatron's DDP (or Megatron-FSDP) manages those parameters
-    (:func:`_main_grads`), instead of being handed to autograd for its gradient hook to add;
+    that sums them, where the parameters carry Megatron's ``main_grad`` protocol
+    (:func:`_main_grads`), instead of being handed to autograd for DDP's gradient hook to add:
     bit for bit the hook's result, three launches fewer a sublayer."""
     if not records_autograd(x, phi, alpha, bias):
         return _pre_forward(x, phi, alpha, bias, sinkhorn_iterations, eps, n, form)[0]
