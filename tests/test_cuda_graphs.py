@@ -32,11 +32,12 @@ LAYERS = 3
 
 
 def _run_case(mhc: bool, kind: str, hide_te: bool, dtype: str = "bf16",
-              model: str = "gpt") -> dict:
+              model: str = "gpt", grad_fusion: bool = False) -> dict:
     child = [str(ROOT / "tests/gpu_child/cuda_graph_equivalence.py")]
     cmd = [sys.executable, *([str(WITHOUT_TE)] if hide_te else []), *child,
            "--mhc", str(int(mhc)), "--kind", kind, "--steps", str(STEPS),
-           "--layers", str(LAYERS), "--dtype", dtype, "--model", model]
+           "--layers", str(LAYERS), "--dtype", dtype, "--model", model,
+           *(["--grad-fusion"] if grad_fusion else [])]
     result = child_result(cmd, child_env(), timeout=600)
     print(f"\n[cuda graphs] {model} mhc={mhc} {kind} {dtype} "
           f"TE {'hidden' if hide_te else 'visible'}: "
@@ -59,6 +60,19 @@ def test_local_graphs_equal_eager(kind, mhc):
     replayed from step 2 on), every layer graphed. Megatron's graphs without TE (hidden where
     installed: see the next test)."""
     r = _run_case(mhc, kind, hide_te=True)
+    assert r["loss_graph"] == r["loss_eager"]
+    for step, g in enumerate(r["grads"]):
+        assert g["differing"] == [] and g["max_abs_diff"] == 0.0, (step, g)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_local_graphs_with_gradient_accumulation_fusion_equal_eager(kind):
+    """The graphed model's mapping parameters with ``gradient_accumulation_fusion`` (their
+    gradients added to DDP's main grads inside the captured backward) against the eager model
+    without it: per-step losses and every main grad bitwise equal."""
+    r = _run_case(True, kind, hide_te=True, grad_fusion=True)
+    assert r["fused_backwards"] > 0, "the graphed model's pre backward never took the fusion"
     assert r["loss_graph"] == r["loss_eager"]
     for step, g in enumerate(r["grads"]):
         assert g["differing"] == [] and g["max_abs_diff"] == 0.0, (step, g)

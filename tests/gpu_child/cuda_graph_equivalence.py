@@ -34,6 +34,10 @@ def parse_args():
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--grad-fusion", action="store_true",
+                   help="the graphed model's mHC modules with gradient_accumulation_fusion (set "
+                        "after the build: Megatron's own linear layers would need Apex for it); "
+                        "the eager model without")
     p.add_argument("--keep-graph-buffers", action="store_true",
                    help="with TE installed: keep Megatron's graph input/output buffers owned "
                         "(no TE weak references). A diagnostic: Megatron keeps only buffers "
@@ -137,9 +141,23 @@ def main():
     graphed = build(config(args, graphs=True), args.model)
     result = inner(graphed).load_state_dict(start, strict=False)
     assert not result.unexpected_keys and all("_extra_state" in k for k in result.missing_keys)
+    inner(graphed).config.gradient_accumulation_fusion = args.grad_fusion
+    fused = []  # per pre backward of the graphed model: whether it took the fusion
+    if args.grad_fusion:
+        from mhc_megatron.kernels import triton_pre
+
+        main_grads = triton_pre._main_grads
+
+        def recorded(*a):
+            found = main_grads(*a)
+            fused.append(found is not None)
+            return found
+
+        triton_pre._main_grads = recorded
     batches = [batch(device="cuda", seed=s) for s in range(args.steps)]
 
     loss_e, grads_e = train(eager, batches, 0.05, graphs=False)
+    fused.clear()
     loss_g, grads_g = train(graphed, batches, 0.05, graphs=True)
     per_step = []
     for ge, gg in zip(grads_e, grads_g):
@@ -151,6 +169,7 @@ def main():
                          "mhc_params": sum("hyper_connection" in n for n in diffs)})
     print("RESULT " + json.dumps({"loss_eager": loss_e, "loss_graph": loss_g,
                                   "grads": per_step, "graphed_layers": replays(graphed),
+                                  "fused_backwards": sum(fused),
                                   "layers": len(inner(graphed).decoder.layers)}), flush=True)
     parallel_state.destroy_model_parallel()
 
