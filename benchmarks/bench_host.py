@@ -356,10 +356,45 @@ def breakdown_rows(args) -> list[str]:
     lines, lo = _alternating_table(steps, args.rounds, sub, "dense, 4 layers, local specs")
     wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
     kern = (lo["mHC"] - lo["mHC, null ops"]) / sub * 1e3
+    with counting_launch_paths() as paths:
+        for _ in range(10):
+            steps["mHC"]()
+    _sync()
     lines += ["", f"per sublayer (minimum): layer code around the ops {wrap:.0f} us, the ops "
-              f"{kern:.0f} us"]
+              f"{kern:.0f} us",
+              "", "the ops' launches in 10 mHC steps, by path: "
+              + ", ".join(f"{k} {v}" for k, v in paths.items())]
     print("\n".join(lines), flush=True)
     return lines
+
+
+@contextlib.contextmanager
+def counting_launch_paths():
+    """Counts the ops' launches by the path they take while the context is open: ``{"by
+    signature": n, "per-argument key": n, "Triton's launcher": n}`` (a launch hook, the
+    interpreter or tracing send launches to Triton's own launcher; a misaligned input to the
+    per-argument key)."""
+    from mhc_megatron.kernels.launch import Launcher
+
+    counts = {"by signature": 0, "per-argument key": 0, "Triton's launcher": 0}
+    signed, launch = Launcher.signed, Launcher._launch
+
+    def counted_launch(self, grid, meta, args_):
+        entry = launch(self, grid, meta, args_)
+        counts["per-argument key" if entry is not None else "Triton's launcher"] += 1
+        return entry
+
+    def counted_signed(self, plan, sig, grid, meta, *args_):
+        before = sum(counts.values())
+        signed(self, plan, sig, grid, meta, *args_)
+        if sum(counts.values()) == before:  # it did not go through _launch
+            counts["by signature"] += 1
+
+    Launcher.signed, Launcher._launch = counted_signed, counted_launch
+    try:
+        yield counts
+    finally:
+        Launcher.signed, Launcher._launch = signed, launch
 
 
 def grad_fusion_rows(args) -> list[str]:

@@ -86,6 +86,9 @@ def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, null ops"], rows
+    # (on CPU the models' backend 'auto' runs the reference ops: no launches to count)
+    assert re.search(r"the ops' launches in 10 mHC steps, by path: by signature \d+, "
+                     r"per-argument key \d+, Triton's launcher \d+", out.read_text())
     text = prof.read_text()
     assert "extra own us / step" in text and "mhc_megatron" not in text.split("\n")[0]
     assert "layers/hyper_connection.py" in text, text[:2000]
@@ -195,3 +198,25 @@ def test_bench_dsv4_dry_run_table(tmp_path):
         assert 0 <= float(r[6]) < 2e-2, r  # max rel err: bf16 rounding against fp32
         if r[1] == "reference (DSV4)":
             assert r[5] == "1.00"
+
+
+def test_bench_host_counts_the_launch_paths(monkeypatch):
+    """``counting_launch_paths`` counts each launch once, by the path it took: on the
+    interpreter every launch goes through Triton's own launcher (pre forward: 2 or 3
+    launches, backward: 4)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_host
+
+    from mhc_megatron.kernels import triton_mhc
+
+    x = torch.randn(6, 4, 16, requires_grad=True)
+    phi = torch.randn(24, 64, requires_grad=True)
+    alpha, bias = torch.ones(3, requires_grad=True), torch.zeros(24, requires_grad=True)
+    with bench_host.counting_launch_paths() as paths:
+        y = triton_mhc.pre(x, phi, alpha, bias, 3, 1e-6)[0]
+        forward = sum(paths.values())
+        y.sum().backward()
+    assert paths["by signature"] == paths["per-argument key"] == 0, paths
+    assert forward in (2, 3) and paths["Triton's launcher"] == forward + 4, (forward, paths)
