@@ -121,7 +121,8 @@ def test_model_main_grads_under_megatrons_ddp_equal_the_unfused_ones(seeded,
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    config = tiny_config(bf16=True, params_dtype=torch.bfloat16, mhc_kernel_backend="triton")
+    config = tiny_config(bf16=True, params_dtype=torch.bfloat16, mhc_kernel_backend="triton",
+                         num_layers=1)
     model = build_gpt(config, device=DEV)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False),
