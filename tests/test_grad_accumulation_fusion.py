@@ -82,19 +82,26 @@ def test_fused_accumulation_equals_megatrons_hook(param_dtype, main_dtype, t, n,
     assert torch.equal(x.grad, dx_unfused)
 
 
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
 def test_without_megatrons_flag_the_gradients_go_to_autograd():
-    """No ``grad_added_to_main_grad`` (no Megatron DDP), a ``zero_out_wgrad`` request, or a
-    ``main_grad`` of another shape: the fusion is off and autograd gets the gradients, as
-    without ``main_grads``; the ``main_grad`` buffers are untouched."""
+    """No ``grad_added_to_main_grad`` (no Megatron DDP), a ``zero_out_wgrad`` request, a
+    ``main_grad`` of another shape, or one that is a tensor subclass (a DTensor's shards are
+    not a buffer of the parameter's shape): the fusion is off and autograd gets the
+    gradients, as without ``main_grads``; the ``main_grad`` buffers are untouched."""
     x, params = _leaves(9, 4, 16, torch.float32, 1)
     _backward(x, params, 0, main_grads=False)
     reference = [p.grad.clone() for p in params]
-    for setup in ("no flag", "zero_out_wgrad", "shape"):
+    for setup in ("no flag", "zero_out_wgrad", "shape", "tensor subclass"):
         for p in params:
             p.grad = None
             p.main_grad = torch.zeros(p.numel() + (setup == "shape"), device=DEV)
             if setup != "shape":
                 p.main_grad = p.main_grad.view(p.shape)
+            if setup == "tensor subclass":  # (as a DTensor main_grad would be)
+                p.main_grad = p.main_grad.as_subclass(_TensorSubclass)
             if setup != "no flag":
                 p.grad_added_to_main_grad = False
             p.zero_out_wgrad = setup == "zero_out_wgrad"

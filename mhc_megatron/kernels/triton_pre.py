@@ -160,16 +160,17 @@ def _main_grads(params, needs_grad) -> tuple | None:
     """The ``main_grad`` buffers of pre's parameters ``(phi, alpha, bias)`` where their
     gradients can be added to them in the kernel, as Megatron's linear layers do with
     ``gradient_accumulation_fusion``: each parameter needs a gradient and has a ``main_grad``
-    of its shape (contiguous, fp32/bf16/fp16) and Megatron's ``grad_added_to_main_grad``
-    flag (Megatron's DDP sets it, and its gradient hook then skips the parameter's ``.grad``;
-    Megatron-FSDP follows the same protocol), none asks for ``zero_out_wgrad``, and the three
-    share a dtype. Else None: the gradients go to autograd."""
+    of its shape (plain tensors, not DTensors; contiguous, fp32/bf16/fp16) and Megatron's
+    ``grad_added_to_main_grad`` flag (Megatron's DDP sets it, and its gradient hook then skips
+    the parameter's ``.grad``; Megatron-FSDP follows the same protocol), none asks for
+    ``zero_out_wgrad``, and the three share a dtype. Else None: the gradients go to autograd."""
     if not all(needs_grad):
         return None
     grads = []
     for param in params:
         main = getattr(param, "main_grad", None)
-        if (main is None or not hasattr(param, "grad_added_to_main_grad")
+        if (type(main) is not torch.Tensor or type(param.data) is not torch.Tensor  # (DTensors:
+                or not hasattr(param, "grad_added_to_main_grad")       # sharded, not a buffer)
                 or getattr(param, "zero_out_wgrad", False) or main.shape != param.shape
                 or main.dtype not in GRAD_ROUND_CODES or not main.is_contiguous()
                 or param.dtype != params[0].dtype or main.device != param.device):
