@@ -113,15 +113,18 @@ def _train(wrapper: str, mhc: bool, bf16: bool, weights: dict | None):
 
 
 def _full_parameters(wrapper: str, wrapped, dtype: torch.dtype) -> dict:
-    """Every parameter after the last step, whole (fp32 copies of the model's ``dtype``
-    values) by the model's own names, the same on every data-parallel rank (checked).
+    """Every parameter after the last step as DDP at the same tensor-parallel size holds it
+    (whole over data parallelism, this rank's tensor-parallel part; fp32 copies of the model's
+    ``dtype`` values) by the model's own names, the same on every data-parallel rank (checked).
 
     Megatron-FSDP: its optimizer step ends in an asynchronous all-gather of the updated
     parameters (``optim_grads_params``), which the next forward's pre-hooks wait for;
     ``stop_communication`` waits for it here and installs the parameters as Megatron-FSDP's
     DTensors, the fp32 main weights (cast to ``dtype``: the compute weights' bits). Their
     shards are a bucket's row range each, uneven, which ``DTensor.full_tensor`` (even chunks)
-    cannot gather: Megatron's own ``uneven_dtensor_to_full_tensor``, as its checkpointing."""
+    cannot gather: Megatron's own ``uneven_dtensor_to_full_tensor``, as its checkpointing,
+    where data parallelism shards them; with one data-parallel rank (the TP=2 check) this
+    rank's part is the local tensor (a gather would also join the tensor-parallel parts)."""
     from megatron.core import parallel_state
     from torch.distributed.tensor import DTensor
 
@@ -132,11 +135,12 @@ def _full_parameters(wrapper: str, wrapped, dtype: torch.dtype) -> dict:
         )
 
         wrapped.stop_communication()
+    group = parallel_state.get_data_parallel_group()
     params = {}
     for n, p in wrapped.named_parameters():  # the same order on every rank (collectives)
-        full = to_full(p) if isinstance(p, DTensor) else p
-        params[_unwrapped(n)] = full.detach().to(dtype).float().clone()
-    group = parallel_state.get_data_parallel_group()
+        if isinstance(p, DTensor):
+            p = to_full(p) if group.size() > 1 else p.to_local()
+        params[_unwrapped(n)] = p.detach().to(dtype).float().clone()
     for n, p in params.items():  # replicas: a read before the gather finished would differ
         copies = [torch.empty_like(p) for _ in range(group.size())]
         torch.distributed.all_gather(copies, p.contiguous(), group=group)
