@@ -142,15 +142,14 @@ class _PreFn(torch.autograd.Function):
                         g_combine if fold else x, h_res_combine if fold else h_pre,  # unread
                         dx, dphi_part, T, C, p.dx_per)
         if main_grads is None:
-            _PARAM_GRADS.signed(p, sig, p.grads_grid, p.grads_meta, dphi_part, red_part, dphi,
-                                dbias, dalpha, p.dx_splits, p.mp * p.K, p.m * p.K,
-                                p.map_programs)
+            grads_sig, grads_meta, grads_out = sig, p.grads_meta, (dphi, dbias, dalpha)
         else:  # added to the main_grads; what autograd gets for phi, alpha, bias is unread
             phi_main, alpha_main, bias_main = main_grads  # (views into DDP's buffer: some
-            _PARAM_GRADS.signed(p, signature_with_alignment(*main_grads),  # start unaligned)
-                                p.grads_grid, p.accumulate_meta(phi.dtype), dphi_part,
-                                red_part, phi_main, bias_main, alpha_main, p.dx_splits,
-                                p.mp * p.K, p.m * p.K, p.map_programs)
+            grads_sig = signature_with_alignment(*main_grads)  # start unaligned)
+            grads_meta, grads_out = p.accumulate_meta(phi.dtype), (phi_main, bias_main, alpha_main)
+        _PARAM_GRADS.signed(p, grads_sig, p.grads_grid, grads_meta, dphi_part, red_part,
+                            *grads_out, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
+        if main_grads is not None:
             for param in ctx.params:
                 param.grad_added_to_main_grad = True
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
