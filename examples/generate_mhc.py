@@ -18,8 +18,9 @@
 Without Transformer Engine add ``--transformer-impl local --no-persist-layer-norm
 --no-rope-fusion --no-masked-softmax-fusion`` to ``$GPT`` (both commands). The dynamic engine
 needs FlashAttention (flash-attn >= 2.7.3, FA3 or FA4) and einops. ``--engine static`` runs
-``StaticInferenceEngine`` (in 0.19.2 the dynamic engine underneath); Megatron's inference
-flags (``--inference-dynamic-batching-*``, ``--cuda-graph-impl local``) apply.
+``StaticInferenceEngine`` (in 0.19.2 the dynamic engine underneath, so it needs them too);
+Megatron's inference flags (``--inference-dynamic-batching-*``, ``--cuda-graph-impl local``)
+apply. The script checks for them before it builds the model.
 
 The model is built as the training example builds it: ``mhc_gpt_model_config_from_args`` (or
 ``mhc_hybrid_model_config_from_args`` with ``--hybrid-layer-pattern``) and Megatron's model
@@ -150,6 +151,8 @@ def main():
     from megatron.training import initialize_megatron
     from megatron.training.arguments import parse_and_validate_args
 
+    from mhc_megatron.training.inference import inference_engines_unavailable
+
     args = parse_and_validate_args(extra_args_provider=generation_arguments)
     if not args.prompts:
         raise SystemExit("generate_mhc.py: give --prompts TEXT [TEXT ...]")
@@ -158,9 +161,9 @@ def main():
     if args.check_greedy and args.tensor_model_parallel_size != 1:
         raise SystemExit("generate_mhc.py: --check-greedy runs the full forward on one rank: "
                          "use --tensor-model-parallel-size 1")
-    if not torch.cuda.is_available():
-        raise SystemExit("generate_mhc.py needs a CUDA device: Megatron-Core's inference "
-                         "engines (paged KV cache, flash attention) are CUDA-only.")
+    missing = inference_engines_unavailable()
+    if missing is not None:
+        raise SystemExit(f"generate_mhc.py: Megatron-Core's inference engines need {missing}.")
     if args.vocab_size != VOCAB_SIZE:
         raise SystemExit(f"generate_mhc.py decodes the byte corpus: --vocab-size {VOCAB_SIZE} "
                          f"(bytes + end of document), got {args.vocab_size}.")

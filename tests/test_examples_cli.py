@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, child_env, run_child
+from helpers import LOCAL_MODULE_FLAGS, ROOT, TINY_GPT_FLAGS, child_env, run_child
 
 EXAMPLES = ROOT / "examples"
 
@@ -74,3 +74,40 @@ def test_gpu_scripts_parse_their_arguments_on_cpu(script):
     proc = run_child([sys.executable, str(ROOT / script), "--help"], _quiet_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert proc.stdout.startswith("usage: "), proc.stdout[:2000]
+
+
+def test_generate_stops_before_the_model_where_the_engines_cannot_run():
+    """Without a CUDA device generate_mhc.py exits before it builds a model, with the
+    requirement named (Megatron's engines would otherwise fail in the first forward)."""
+    proc = run_child([sys.executable, str(EXAMPLES / "generate_mhc.py"), *TINY_GPT_FLAGS,
+                      *LOCAL_MODULE_FLAGS, "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", "257", "--micro-batch-size", "1", "--prompts", "x"],
+                     _quiet_env(), timeout=300)
+    assert proc.returncode != 0
+    assert ("generate_mhc.py: Megatron-Core's inference engines need a CUDA device"
+            in proc.stdout), proc.stdout[-4000:]
+
+
+def test_engine_requirements_name_flashattention_and_einops(monkeypatch):
+    """What the engines need beyond a GPU, each named with its install, as Megatron checks it
+    (attention.py's FA4 / FA3 / flash-attn >= 2.7.3 assert; einops' ``rearrange``)."""
+    import megatron.core.utils
+    from megatron.core.transformer import attention
+
+    from mhc_megatron.training.inference import inference_engines_unavailable
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(attention, "HAVE_FA4", False)
+    monkeypatch.setattr(attention, "HAVE_FA3", False)
+
+    def no_flash_attn(version):
+        raise ImportError("No module named 'flash_attn'")
+
+    monkeypatch.setattr(megatron.core.utils, "is_fa_min_version", no_flash_attn)
+    reason = inference_engines_unavailable()
+    assert reason.startswith("FlashAttention") and "pip install flash-attn-4" in reason, reason
+    monkeypatch.setattr(attention, "HAVE_FA4", True)
+    monkeypatch.setattr(attention, "rearrange", None)
+    assert inference_engines_unavailable().startswith("einops"), inference_engines_unavailable()
+    monkeypatch.setattr(attention, "rearrange", lambda *a, **k: None)
+    assert inference_engines_unavailable() is None

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib.metadata import PackageNotFoundError
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers, when run as a child
+from mhc_megatron.training.inference import inference_engines_unavailable  # noqa: E402
 from mhc_testing.greedy import (  # noqa: E402
     TIE_TOL,
     first_divergence,
@@ -88,30 +88,9 @@ HEAD_DIM = 64
 BLOCK_TOKENS = 256  # FlashAttention's paged KV cache (FA2) takes blocks of multiples of 256
 
 
-def _engines_unavailable() -> str | None:
-    """Why Megatron's dynamic inference cannot run here, or None. Megatron's own checks:
-    ``Attention.forward`` asserts FA4, FA3 or flash-attn >= 2.7.3 for dynamic batching, and
-    its dynamic path calls ``einops.rearrange`` (``None`` there without einops)."""
-    if not torch.cuda.is_available():
-        return "needs a CUDA device (Megatron's inference engines are CUDA-only)"
-    from megatron.core.transformer import attention
-    from megatron.core.utils import is_fa_min_version
-
-    try:
-        fa2 = is_fa_min_version("2.7.3")
-    except (ImportError, PackageNotFoundError):
-        fa2 = False
-    if not (attention.HAVE_FA4 or attention.HAVE_FA3 or fa2):
-        return ("Megatron's dynamic inference needs FlashAttention (flash-attn >= 2.7.3, FA3 or "
-                "FA4: megatron/core/transformer/attention.py asserts it); none is installed")
-    if attention.rearrange is None:
-        return "Megatron's dynamic attention path needs einops (not installed)"
-    return None
-
-
-UNAVAILABLE = _engines_unavailable()
+UNAVAILABLE = inference_engines_unavailable()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(UNAVAILABLE is not None,
-                                                  reason=UNAVAILABLE or "")]
+                                                  reason=f"needs {UNAVAILABLE}")]
 
 
 class _IdTokenizer:
