@@ -87,14 +87,19 @@ def single_grouped_expert_overrides() -> dict:
       GEMM path, which has no fp32 form;
     - TE's opt-in variable ``NVTE_GROUPED_LINEAR_SINGLE_PARAM=1``, without which TE 2.20 builds
       per-expert weights after a warning. This sets it in the calling process (before the model
-      is built)."""
+      is built);
+    - the model built on its GPU (``use_cpu_initialization=False``): TE 2.20's ``GroupedTensor``
+      does not follow a module move. ``model.to("cuda")`` (or Megatron's ``.cuda()``) replaces
+      the parameter's data with a stacked copy, while ``rowwise_data``, the buffer TE's
+      grouped GEMM reads, stays in host memory (its ``__torch_dispatch__`` has no case for
+      ``_to_copy``)."""
     from megatron.core.activations import squared_relu
 
     os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"] = "1"
     return dict(moe_grouped_gemm=True, moe_single_grouped_weight=True,
                 use_transformer_engine_op_fuser=True, activation_func=squared_relu,
                 gated_linear_unit=False, use_fused_weighted_squared_relu=True,
-                bf16=True, params_dtype=torch.bfloat16)
+                bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=False)
 
 
 def te_single_grouped_weight_unsupported() -> str | None:
