@@ -14,7 +14,9 @@ so wall time is host time:
   kernel launches and tensor allocations each makes;
 * the same sublayer's ops as a model runs them: forward through the autograd functions and
   ``torch.autograd.backward`` (on a GPU the backward functions run on autograd's device
-  thread), against the sum of the direct calls;
+  thread), one sublayer a backward call and 8 chained into one call (a model's step pays
+  the call's own cost once), per sublayer, against the sum of the direct calls; and what a
+  Python autograd node costs through the engine, on this device and on the CPU;
 * the physical floor: the host time of as many empty Triton kernel launches as one
   sublayer's ops make (forward and backward), through our launcher and through Triton's own,
   beside the sum of the four ops' host times (CUDA only);
@@ -66,6 +68,7 @@ from mhc_megatron.kernels.triton_combine import _CombineFn  # noqa: E402
 from mhc_megatron.kernels.triton_pre import _PreFn  # noqa: E402
 
 N, ITERS, EPS = 4, 20, 1e-6
+ENGINE_DEPTH = 8  # sublayers chained into one backward call, as in a model's step
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
 
 
@@ -146,31 +149,75 @@ def op_cases(tokens: int, hidden: int):
     ]
 
 
-def sublayer_through_engine(tokens: int, hidden: int):
-    """One sublayer's ops as a model runs them: pre and combine forward through their autograd
-    functions, then ``torch.autograd.backward`` (on a GPU autograd's engine runs the backward
-    functions on its device thread, as in a model's step); the leaves' gradients are dropped
-    after each call, so none is accumulated with a kernel."""
+def sublayers_through_engine(tokens: int, hidden: int, depth: int):
+    """``depth`` sublayers' ops as a model runs them, in one call: pre and combine forward
+    through their autograd functions, each sublayer's streams the next one's input (its
+    ``f`` is its own ``y``, so no other op sits between them), then one
+    ``torch.autograd.backward`` of the last streams (on a GPU autograd's engine runs the
+    backward functions on its device thread, as in a model's step). ``depth`` 1 pays one
+    backward call's own cost (its graph task, the hand-off to that thread and back) per
+    sublayer; a model pays it once a step. The leaves' gradients are dropped after each call,
+    so none is accumulated with a kernel."""
     from mhc_megatron.kernels import triton_mhc
 
     dev, bf16 = DEVICE, torch.bfloat16
     m = 2 * N + N * N
-    x = torch.randn(tokens, N * hidden, device=dev, dtype=bf16, requires_grad=True)
-    phi = (0.02 * torch.randn(m, N * hidden, device=dev)).requires_grad_()
-    alpha = torch.full((3,), 0.1, device=dev, requires_grad=True)
-    bias = torch.zeros(m, device=dev, requires_grad=True)
-    f = torch.randn(tokens, hidden, device=dev, dtype=bf16, requires_grad=True)
-    dout, dy = torch.randn_like(x), torch.randn(tokens, hidden, device=dev, dtype=bf16)
-    leaves = (x, phi, alpha, bias, f)
+    x0 = torch.randn(tokens, N * hidden, device=dev, dtype=bf16, requires_grad=True)
+    params = [((0.02 * torch.randn(m, N * hidden, device=dev)).requires_grad_(),
+               torch.full((3,), 0.1, device=dev, requires_grad=True),
+               torch.zeros(m, device=dev, requires_grad=True)) for _ in range(depth)]
+    dout = torch.randn_like(x0)
+    leaves = [x0] + [t for trio in params for t in trio]
 
     def run():
-        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS, n=N)
-        out = triton_mhc.combine(x, f, None, h_res, h_post, n=N)
-        torch.autograd.backward((out, y), (dout, dy))
+        x = x0
+        for phi, alpha, bias in params:
+            y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS, n=N)
+            x = triton_mhc.combine(x, y, None, h_res, h_post, n=N)
+        torch.autograd.backward(x, dout)
         for leaf in leaves:
             leaf.grad = None
 
     return run
+
+
+class _PassThrough(torch.autograd.Function):
+    """A Python autograd node that does no work: forward a view of its input, backward the
+    gradient as it came."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def engine_node_rows(nodes: int, iters: int) -> list[str]:
+    """Host time a Python autograd node costs in a backward pass: a chain of ``nodes``
+    pass-through nodes forward and one ``torch.autograd.backward``, per node, on this device
+    (on a GPU autograd's engine runs them on its device thread, taking the GIL per node) and
+    on the CPU (the engine runs CPU nodes on the calling thread); the difference is what the
+    device thread adds to each of a step's Python nodes (mHC adds two a sublayer)."""
+    rows = []
+    for dev in dict.fromkeys((DEVICE, "cpu")):
+        x = torch.randn(8, device=dev, requires_grad=True)
+        g = torch.ones(8, device=dev)
+
+        def run():
+            y = x
+            for _ in range(nodes):
+                y = _PassThrough.apply(y)
+            torch.autograd.backward(y, g)
+            x.grad = None
+
+        for _ in range(5):
+            run()
+        rows.append(f"| a pass-through Python autograd node, forward and backward ({dev} "
+                    f"tensors; {nodes} chained, one backward call; per node) | "
+                    f"{host_us(run, iters) / nodes:.1f} | 0 | |")
+    return rows
 
 
 def model_rows(args) -> list[str]:
@@ -597,13 +644,17 @@ def main(argv=None):
         print(lines[-1], flush=True)
         total_us, total_launches = total_us + us, total_launches + launches
     lines.append(f"| one sublayer's ops (the rows above) | {total_us:.1f} | {total_launches} | |")
-    engine = sublayer_through_engine(args.tokens, args.hidden)
-    for _ in range(5):
-        engine()
-    lines.append(f"| one sublayer through autograd (pre and combine forward, their backward "
-                 f"run by autograd's engine) | {host_us(engine, args.iters):.1f} | "
-                 f"{launches_and_allocations(engine)[0]} | |")
-    print(lines[-1], flush=True)
+    for depth in (1, ENGINE_DEPTH):
+        engine = sublayers_through_engine(args.tokens, args.hidden, depth)
+        for _ in range(5):
+            engine()
+        lines.append(f"| one sublayer through autograd (pre and combine forward, their "
+                     f"backward run by autograd's engine; {depth} chained, one backward call; "
+                     f"per sublayer) | {host_us(engine, args.iters) / depth:.1f} | "
+                     f"{launches_and_allocations(engine)[0] // depth} | |")
+        print(lines[-1], flush=True)
+    lines += engine_node_rows(2 * ENGINE_DEPTH, args.iters)
+    print("\n".join(lines[-2:]), flush=True)
     if DEVICE == "cuda":  # the floor those launches set (the interpreter launches nothing)
         lines += launch_floor_rows(total_launches, args.iters)
         print("\n".join(lines[-2:]), flush=True)

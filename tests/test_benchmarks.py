@@ -70,7 +70,11 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
              if line.startswith("| pre") or line.startswith("| combine")]
     assert names == ["pre forward (autograd apply)", "pre backward",
                      "combine forward (autograd apply)", "combine backward"]
-    assert "| one sublayer through autograd (" in table
+    engine = [line for line in table.splitlines() if "| one sublayer through autograd (" in line]
+    assert [("1 chained" in line, "8 chained" in line) for line in engine] == \
+        [(True, False), (False, True)], engine
+    nodes = [line for line in table.splitlines() if "pass-through Python autograd node" in line]
+    assert len(nodes) == 1 and "(cpu tensors; 16 chained" in nodes[0], nodes  # CPU: one device
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
     assert ab_rows == ["host us", *names, "dense mHC model step (4 layers), ms, min"], ab_rows
 
