@@ -183,40 +183,55 @@ def sublayers_through_engine(tokens: int, hidden: int, depth: int):
 
 class _PassThrough(torch.autograd.Function):
     """A Python autograd node that does no work: forward a view of its input, backward the
-    gradient as it came."""
+    gradient as it came, after ``allocations`` ``torch.empty`` calls of the gradient's size
+    (a backward's allocations, made on whichever thread autograd's engine runs it)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, allocations):
+        ctx.allocations = allocations
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        for _ in range(ctx.allocations):
+            torch.empty(g.shape, device=g.device, dtype=g.dtype)
+        return g, None
 
 
-def engine_node_rows(nodes: int, iters: int) -> list[str]:
+def engine_node_rows(nodes: int, iters: int, allocations: int = 4) -> list[str]:
     """Host time a Python autograd node costs in a backward pass: a chain of ``nodes``
     pass-through nodes forward and one ``torch.autograd.backward``, per node, on this device
     (on a GPU autograd's engine runs them on its device thread, taking the GIL per node) and
     on the CPU (the engine runs CPU nodes on the calling thread); the difference is what the
-    device thread adds to each of a step's Python nodes (mHC adds two a sublayer)."""
+    device thread adds to each of a step's Python nodes (mHC adds two a sublayer). The same
+    with ``allocations`` allocations in each backward, beside as many made on this thread:
+    what an allocation costs on the engine's thread."""
     rows = []
     for dev in dict.fromkeys((DEVICE, "cpu")):
-        x = torch.randn(8, device=dev, requires_grad=True)
-        g = torch.ones(8, device=dev)
+        x = torch.randn(1024, device=dev, requires_grad=True)
+        g = torch.ones(1024, device=dev)
+        for allocs in (0, allocations):
+            def run(allocs=allocs):
+                y = x
+                for _ in range(nodes):
+                    y = _PassThrough.apply(y, allocs)
+                torch.autograd.backward(y, g)
+                x.grad = None
 
-        def run():
-            y = x
-            for _ in range(nodes):
-                y = _PassThrough.apply(y)
-            torch.autograd.backward(y, g)
-            x.grad = None
+            for _ in range(5):
+                run()
+            rows.append(f"| a pass-through Python autograd node, forward and backward, "
+                        f"{allocs} allocations in its backward ({dev} tensors; {nodes} chained, "
+                        f"one backward call; per node) | {host_us(run, iters) / nodes:.1f} | 0 | "
+                        f"{allocs} |")
 
-        for _ in range(5):
-            run()
-        rows.append(f"| a pass-through Python autograd node, forward and backward ({dev} "
-                    f"tensors; {nodes} chained, one backward call; per node) | "
-                    f"{host_us(run, iters) / nodes:.1f} | 0 | |")
+        def allocate():
+            for _ in range(nodes * allocations):
+                torch.empty(g.shape, device=g.device, dtype=g.dtype)
+
+        rows.append(f"| {allocations} allocations on the calling thread ({dev} tensors; per "
+                    f"{allocations}) | {host_us(allocate, iters) / nodes:.1f} | 0 | "
+                    f"{allocations} |")
     return rows
 
 
@@ -653,8 +668,9 @@ def main(argv=None):
                      f"per sublayer) | {host_us(engine, args.iters) / depth:.1f} | "
                      f"{launches_and_allocations(engine)[0] // depth} | |")
         print(lines[-1], flush=True)
-    lines += engine_node_rows(2 * ENGINE_DEPTH, args.iters)
-    print("\n".join(lines[-2:]), flush=True)
+    node_rows = engine_node_rows(2 * ENGINE_DEPTH, args.iters)
+    lines += node_rows
+    print("\n".join(node_rows), flush=True)
     if DEVICE == "cuda":  # the floor those launches set (the interpreter launches nothing)
         lines += launch_floor_rows(total_launches, args.iters)
         print("\n".join(lines[-2:]), flush=True)

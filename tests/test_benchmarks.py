@@ -74,7 +74,11 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     assert [("1 chained" in line, "8 chained" in line) for line in engine] == \
         [(True, False), (False, True)], engine
     nodes = [line for line in table.splitlines() if "pass-through Python autograd node" in line]
-    assert len(nodes) == 1 and "(cpu tensors; 16 chained" in nodes[0], nodes  # CPU: one device
+    assert [("0 allocations" in line, "4 allocations" in line) for line in nodes] == \
+        [(True, False), (False, True)], nodes  # on CPU: one device
+    assert all("(cpu tensors; 16 chained" in line for line in nodes), nodes
+    assert sum("4 allocations on the calling thread (cpu" in line
+               for line in table.splitlines()) == 1
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
     assert ab_rows == ["host us", *names, "dense mHC model step (4 layers), ms, min"], ab_rows
 
