@@ -68,7 +68,9 @@ from mhc_megatron.kernels.triton_combine import _CombineFn  # noqa: E402
 from mhc_megatron.kernels.triton_pre import _PreFn  # noqa: E402
 
 N, ITERS, EPS = 4, 20, 1e-6
-ENGINE_DEPTH = 8  # sublayers chained into one backward call, as in a model's step
+# sublayers chained into one backward call, as in a model's step (2 on the CPU interpreter:
+# a smoke test of the rows, where each sublayer takes a fraction of a second)
+ENGINE_DEPTH = 8 if torch.cuda.is_available() else 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
 
 
@@ -661,7 +663,7 @@ def main(argv=None):
     lines.append(f"| one sublayer's ops (the rows above) | {total_us:.1f} | {total_launches} | |")
     for depth in (1, ENGINE_DEPTH):
         engine = sublayers_through_engine(args.tokens, args.hidden, depth)
-        for _ in range(5):
+        for _ in range(5 if DEVICE == "cuda" else 1):
             engine()
         lines.append(f"| one sublayer through autograd (pre and combine forward, their "
                      f"backward run by autograd's engine; {depth} chained, one backward call; "

@@ -71,12 +71,12 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     assert names == ["pre forward (autograd apply)", "pre backward",
                      "combine forward (autograd apply)", "combine backward"]
     engine = [line for line in table.splitlines() if "| one sublayer through autograd (" in line]
-    assert [("1 chained" in line, "8 chained" in line) for line in engine] == \
-        [(True, False), (False, True)], engine
+    assert [("; 1 chained" in line, "; 2 chained" in line) for line in engine] == \
+        [(True, False), (False, True)], engine  # (8 chained on a GPU)
     nodes = [line for line in table.splitlines() if "pass-through Python autograd node" in line]
     assert [("0 allocations" in line, "4 allocations" in line) for line in nodes] == \
         [(True, False), (False, True)], nodes  # on CPU: one device
-    assert all("(cpu tensors; 16 chained" in line for line in nodes), nodes
+    assert all("(cpu tensors; 4 chained" in line for line in nodes), nodes
     assert sum("4 allocations on the calling thread (cpu" in line
                for line in table.splitlines()) == 1
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
