@@ -72,6 +72,7 @@ N, ITERS, EPS = 4, 20, 1e-6
 # a smoke test of the rows, where each sublayer takes a fraction of a second)
 ENGINE_DEPTH = 8 if torch.cuda.is_available() else 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
+WARMUP = 5 if DEVICE == "cuda" else 1  # calls before timing (compiles, fills the launch caches)
 
 
 @contextlib.contextmanager
@@ -220,7 +221,7 @@ def engine_node_rows(nodes: int, iters: int, allocations: int = 4) -> list[str]:
                 torch.autograd.backward(y, g)
                 x.grad = None
 
-            for _ in range(5):
+            for _ in range(WARMUP):
                 run()
             rows.append(f"| a pass-through Python autograd node, forward and backward, "
                         f"{allocs} allocations in its backward ({dev} tensors; {nodes} chained, "
@@ -286,7 +287,7 @@ def profile_models(args, out_path: str, steps: int) -> None:
             for name, mhc in (("baseline", False), ("mHC", True))}
     stats, ops, device_us = {}, {}, {}
     for name, step in runs.items():
-        for _ in range(5):
+        for _ in range(WARMUP):
             step()
         _sync()
         gc.collect()
@@ -504,7 +505,7 @@ def _alternating_table(steps: dict, rounds: int, sub: int, what: str):
     host: dict[str, list[float]] = {name: [] for name in steps}  # until step() returns
     cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU time, the same span
     for step in steps.values():
-        for _ in range(5):
+        for _ in range(WARMUP):
             step()
     with gc_paused():
         for _ in range(rounds):
@@ -563,7 +564,7 @@ def launch_ab_rows(args) -> list[str]:
     for mode, ctx in modes:  # warm-up: compiles, fills both kinds of cache
         with ctx():
             for _, fn in cases:
-                for _ in range(5):
+                for _ in range(WARMUP):
                     fn()
             for _ in range(3):
                 step()
@@ -618,7 +619,7 @@ def launch_floor_rows(launches: int, iters: int) -> list[str]:
 
     rows = []
     for name, fn in (("our launcher", ours), ("Triton's launcher", tritons)):
-        for _ in range(5):
+        for _ in range(WARMUP):
             fn()
         rows.append(f"| {launches} empty kernel launches, {name} | {host_us(fn, iters):.1f} | "
                     f"{launches} | 0 |")
@@ -653,7 +654,7 @@ def main(argv=None):
     cases = op_cases(args.tokens, args.hidden)
     total_us, total_launches = 0.0, 0
     for name, fn in cases:
-        for _ in range(5):
+        for _ in range(WARMUP):
             fn()
         us = host_us(fn, args.iters)
         launches, allocs = launches_and_allocations(fn)
@@ -663,7 +664,7 @@ def main(argv=None):
     lines.append(f"| one sublayer's ops (the rows above) | {total_us:.1f} | {total_launches} | |")
     for depth in (1, ENGINE_DEPTH):
         engine = sublayers_through_engine(args.tokens, args.hidden, depth)
-        for _ in range(5 if DEVICE == "cuda" else 1):
+        for _ in range(WARMUP):
             engine()
         lines.append(f"| one sublayer through autograd (pre and combine forward, their "
                      f"backward run by autograd's engine; {depth} chained, one backward call; "
