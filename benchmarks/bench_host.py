@@ -68,11 +68,11 @@ from mhc_megatron.kernels.triton_combine import _CombineFn  # noqa: E402
 from mhc_megatron.kernels.triton_pre import _PreFn  # noqa: E402
 
 N, ITERS, EPS = 4, 20, 1e-6
-# sublayers chained into one backward call, as in a model's step (2 on the CPU interpreter:
-# a smoke test of the rows, where each sublayer takes a fraction of a second)
-ENGINE_DEPTH = 8 if torch.cuda.is_available() else 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
 WARMUP = 5 if DEVICE == "cuda" else 1  # calls before timing (compiles, fills the launch caches)
+# sublayers chained into one backward call, as in a model's step (2 on the CPU interpreter:
+# a smoke test of the rows, where each sublayer takes a fraction of a second)
+ENGINE_DEPTH = 8 if DEVICE == "cuda" else 2
 
 
 @contextlib.contextmanager
@@ -497,9 +497,9 @@ def grad_fusion_rows(args) -> list[str]:
 
 
 def _alternating_table(steps: dict, rounds: int, sub: int, what: str):
-    """``steps`` timed in alternating rounds (10 steps each, synced; after 5 warm-up steps):
-    a table of each run's step time (minimum, median), its host time until the step returns
-    and its process CPU time over that span, and per sublayer over the first run
+    """``steps`` timed in alternating rounds (10 steps each, synced; after ``WARMUP`` warm-up
+    steps): a table of each run's step time (minimum, median), its host time until the step
+    returns and its process CPU time over that span, and per sublayer over the first run
     (``sub`` sublayers); ``(lines, minimum step ms by run)``."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     host: dict[str, list[float]] = {name: [] for name in steps}  # until step() returns
