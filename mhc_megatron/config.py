@@ -332,6 +332,16 @@ def validate_mhc_config(config: MHCTransformerConfig) -> None:
               "set apply_residual_connection_post_layernorm=False")
     _validate_cuda_graphs(config)
     _validate_offloading(config)
+    if config.moe_single_grouped_weight and config.use_cpu_initialization:
+        _fail("moe_single_grouped_weight / use_cpu_initialization",
+              "Transformer Engine's single grouped expert weight (its GroupedTensor, TE 2.20.2) "
+              "does not follow the move of a model built on the CPU to the GPU (Megatron's "
+              ".cuda(), or .to('cuda')): the buffer its grouped GEMM reads stays in host "
+              "memory, and the first expert GEMM fails to launch or faults with an illegal "
+              "memory access (Megatron's own model too)",
+              "build the model on its GPU: use_cpu_initialization=False (drop "
+              "--use-cpu-initialization and --lazy-mpu-init), or set "
+              "moe_single_grouped_weight=False (one weight per expert)")
     if config.overlap_moe_expert_parallel_comm and _last_layer_is_dense(config):
         _fail("overlap_moe_expert_parallel_comm / moe_layer_freq",
               "the decoder's last layer is dense, and Megatron-Core 0.19.2's EP-overlap "

@@ -128,6 +128,9 @@ REFUSED = {
                                              "overlap_moe_expert_parallel_comm / moe_layer_freq"),
     "moe_ep_overlap_mhc_recompute": (dict(EP_OVERLAP, mhc_recompute=True),
                                      "overlap_moe_expert_parallel_comm / mhc_recompute"),
+    "single_grouped_weight_built_on_cpu": (
+        dict(num_moe_experts=4, moe_grouped_gemm=True, moe_single_grouped_weight=True,
+             use_cpu_initialization=True), "moe_single_grouped_weight / use_cpu_initialization"),
     "moe_ep_overlap_mlp_norm_offload": (
         dict(EP_OVERLAP, fine_grained_activation_offloading=True, offload_modules=["mlp_norm"]),
         "overlap_moe_expert_parallel_comm / offload_modules"),
