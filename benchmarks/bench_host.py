@@ -36,6 +36,10 @@ so wall time is host time:
 * ``--grad-fusion``: the dense model's step inside Megatron's DDP, baseline, mHC, and mHC
   with ``gradient_accumulation_fusion`` (the mapping parameters' gradients added to DDP's
   main grads by pre's backward kernel), alternating rounds;
+* ``--replay-ab``: the ops' host work (allocations and launches) replayed from C++
+  (:mod:`mhc_megatron.kernels.host_replay`) against the Python path, in this process, the two
+  alternating: the four ops, 8 sublayers chained through autograd, and the dense model's
+  baseline and mHC steps (mHC's growth per sublayer in each mode);
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -551,44 +555,88 @@ def argument_keys():
 
 
 def launch_ab_rows(args) -> list[str]:
-    """``--launch-ab``: per op and for the dense model's mHC step, host time with launches by
-    signature and with the per-argument key, the two modes alternating ``--rounds`` times
-    (median of the rounds' medians for the ops, minimum over the rounds' steps for the
-    model)."""
-    modes = (("by signature", contextlib.nullcontext), ("per-argument key", argument_keys))
+    """``--launch-ab``: launches by signature against the per-argument key (see
+    :func:`ab_rows`)."""
+    return ab_rows(args, (("by signature", contextlib.nullcontext),
+                          ("per-argument key", argument_keys)))
+
+
+@contextlib.contextmanager
+def host_replay_off():
+    """The ops' host work in Python (no replay from C++) while open."""
+    from mhc_megatron.kernels import host_replay
+
+    was = host_replay.enabled()
+    host_replay.set_enabled(False)
+    try:
+        yield
+    finally:
+        host_replay.set_enabled(was)
+
+
+def replay_ab_rows(args) -> list[str]:
+    """``--replay-ab``: the ops' host work replayed from C++ against the Python path (see
+    :func:`ab_rows`)."""
+    from mhc_megatron.kernels import host_replay
+
+    reason = host_replay.unavailable()
+    if reason is not None:
+        return [f"(no replay here: {reason})"]
+    return ab_rows(args, (("C++ replay", contextlib.nullcontext), ("Python", host_replay_off)))
+
+
+def ab_rows(args, modes) -> list[str]:
+    """Two modes of the ops' host path (``modes``: ``(name, context factory)`` each) in one
+    process, alternating ``--rounds`` times: per op, for ``ENGINE_DEPTH`` sublayers chained
+    through autograd (per sublayer), and for the dense model's baseline and mHC steps (median
+    of the rounds' medians for the ops, minimum over the rounds' steps for the models, and mHC's
+    step over the baseline's per sublayer)."""
     cases = op_cases(args.tokens, args.hidden)
+    cases.append((f"one sublayer through autograd ({ENGINE_DEPTH} chained, one backward call; "
+                  "per sublayer)", sublayers_through_engine(args.tokens, args.hidden,
+                                                            ENGINE_DEPTH)))
+    per_call = {name: (ENGINE_DEPTH if name.startswith("one sublayer") else 1)
+                for name, _ in cases}
     shape = _dense_shape(args)
-    step = make_step(build(shape, "local", True, False, DEVICE)[0], shape, "local", DEVICE)
+    models = {name: make_step(build(shape, "local", mhc, False, DEVICE)[0], shape, "local",
+                              DEVICE) for name, mhc in (("baseline", False), ("mHC", True))}
     ops = {(mode, name): [] for mode, _ in modes for name, _ in cases}
-    steps = {mode: [] for mode, _ in modes}
-    for mode, ctx in modes:  # warm-up: compiles, fills both kinds of cache
+    steps = {(mode, name): [] for mode, _ in modes for name in models}
+    for mode, ctx in modes:  # warm-up: compiles, fills every cache (and records)
         with ctx():
             for _, fn in cases:
                 for _ in range(WARMUP):
                     fn()
-            for _ in range(3):
-                step()
+            for step in models.values():
+                for _ in range(3):
+                    step()
     with gc_paused():
         for _ in range(args.rounds):
             for mode, ctx in modes:
                 with ctx():
                     for name, fn in cases:
-                        ops[mode, name].append(host_us(fn, max(args.iters // args.rounds, 1)))
-                    for _ in range(10):
-                        _sync()
-                        t0 = time.perf_counter()
-                        step()
-                        _sync()
-                        steps[mode].append(1e3 * (time.perf_counter() - t0))
+                        ops[mode, name].append(host_us(fn, max(args.iters // args.rounds, 1))
+                                               / per_call[name])
+                    for model, step in models.items():
+                        for _ in range(10):
+                            _sync()
+                            t0 = time.perf_counter()
+                            step()
+                            _sync()
+                            steps[mode, model].append(1e3 * (time.perf_counter() - t0))
     sub = 2 * shape["layers"]
-    lines = ["| host us | " + " | ".join(m for m, _ in modes) + " | difference |",
-             "|---|---|---|---|"]
+    names = [m for m, _ in modes]
+    lines = ["| host us | " + " | ".join(names) + " | difference |", "|---|---|---|---|"]
     for name, _ in cases:
-        a, b = (statistics.median(ops[m, name]) for m, _ in modes)
+        a, b = (statistics.median(ops[m, name]) for m in names)
         lines.append(f"| {name} | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
-    a, b = (min(steps[m]) for m, _ in modes)
-    lines.append(f"| dense mHC model step (4 layers), ms, min | {a:.3f} | {b:.3f} | "
-                 f"{1e3 * (a - b) / sub:+.0f} us a sublayer |")
+    for model in models:
+        a, b = (min(steps[m, model]) for m in names)
+        lines.append(f"| dense {model} model step (4 layers), ms, min | {a:.3f} | {b:.3f} | "
+                     f"{1e3 * (a - b) / sub:+.0f} us a sublayer |")
+    over = [1e3 * (min(steps[m, "mHC"]) - min(steps[m, "baseline"])) / sub for m in names]
+    lines.append(f"| mHC's step over the baseline's, per sublayer, us (min) | {over[0]:.0f} | "
+                 f"{over[1]:.0f} | {over[0] - over[1]:+.0f} |")
     print("\n".join(lines), flush=True)
     return lines
 
@@ -639,6 +687,7 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--launch-ab", action="store_true")
     p.add_argument("--grad-fusion", action="store_true")
+    p.add_argument("--replay-ab", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state
@@ -697,6 +746,9 @@ def main(argv=None):
     if args.launch_ab:
         lines += ["", "Launches by signature against the per-argument key (alternating rounds)",
                   ""] + launch_ab_rows(args)
+    if args.replay_ab:
+        lines += ["", "The ops' host work replayed from C++ against the Python path "
+                  "(alternating rounds)", ""] + replay_ab_rows(args)
     if args.grad_fusion:
         lines += ["", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
                   "(alternating rounds)", ""] + grad_fusion_rows(args)

@@ -59,12 +59,14 @@ def test_bench_e2e_interleave_refuses_profile():
 
 def test_bench_host_op_table_on_the_interpreter(tmp_path):
     """The op table, and ``--launch-ab``'s table of the two launch modes (on the interpreter
-    both launch through Triton's own launcher: the plumbing only)."""
+    both launch through Triton's own launcher: the plumbing only); ``--replay-ab`` says why
+    there is no replay from C++ on the interpreter."""
     out = tmp_path / "host.md"
     run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
-               "--no-models", "--launch-ab", "--rounds", "1", "--out", str(out),
+               "--no-models", "--launch-ab", "--replay-ab", "--rounds", "1", "--out", str(out),
                env={"TRITON_INTERPRET": "1"})
-    text = out.read_text()
+    text, replay = out.read_text().split("replayed from C++ against the Python path")
+    assert "(no replay here: TRITON_INTERPRET=1)" in replay, replay
     table, ab = text.split("Launches by signature against the per-argument key")
     names = [line.split("|")[1].strip() for line in table.splitlines()
              if line.startswith("| pre") or line.startswith("| combine")]
@@ -80,7 +82,10 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     assert sum("4 allocations on the calling thread (cpu" in line
                for line in table.splitlines()) == 1
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
-    assert ab_rows == ["host us", *names, "dense mHC model step (4 layers), ms, min"], ab_rows
+    assert ab_rows == ["host us", *names, "one sublayer through autograd (2 chained, one "
+                       "backward call; per sublayer)", "dense baseline model step (4 layers), "
+                       "ms, min", "dense mHC model step (4 layers), ms, min",
+                       "mHC's step over the baseline's, per sublayer, us (min)"], ab_rows
 
 
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):

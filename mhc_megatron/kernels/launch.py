@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 import triton
@@ -124,10 +125,12 @@ def _signing_off() -> bool:
 class LaunchPlan:
     """Base of the ops' launch plans (:func:`~mhc_megatron.kernels.triton_common.plan`):
     ``launches`` holds the compiled kernels its launches took, by (launcher, meta,
-    signature) (:meth:`Launcher.signed`)."""
+    signature) (:meth:`Launcher.signed`); ``recipes`` the op calls recorded for replay from
+    C++, by key (:func:`~mhc_megatron.kernels.host_replay.run`)."""
 
     def __init__(self):
         self.launches: dict = {}
+        self.recipes: dict = {}
 
 
 def _launch_key(device: int, meta, args) -> tuple:
@@ -195,6 +198,8 @@ class Launcher:
                 launch, prefix, tail = entry
                 launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                        torch._C._cuda_getCurrentRawStream(sig[0]), *prefix, *args, *tail)
+                if _recorders:
+                    _report(self, entry, grid, args)
                 return
         entry = self._launch(grid, meta, args)
         if sig is not None and entry is not None:
@@ -206,7 +211,14 @@ class Launcher:
                     "argument that Triton specialises on")
 
     def _launch(self, grid, meta: Meta, args):
-        """Launch; return the cache entry that launched, or None (Triton's own launcher)."""
+        """Launch; return the cache entry that launched, or None (Triton's own launcher). An
+        op call being recorded (:mod:`~mhc_megatron.kernels.host_replay`) hears of it."""
+        entry = self._launch_by_key(grid, meta, args)
+        if _recorders:
+            _report(self, entry, grid, args)
+        return entry
+
+    def _launch_by_key(self, grid, meta: Meta, args):
         if (Launcher._disabled is not None and self._off_reason() is not None) or _compiling():
             self.fn[grid](*args, **meta.kwargs)  # (torch.compile traces Triton's launch form)
             return None
@@ -239,6 +251,7 @@ class Launcher:
             return None  # a defaulted parameter or a hook: keep Triton's launcher for this key
         tail = tuple(meta.kwargs[n] for n in tail_names)
         entry = self._cache[key] = (*_compiled_launch(kernel), tail)
+        _KERNELS[id(entry)] = kernel
         return entry
 
     def cached_kernels(self) -> int:
@@ -247,6 +260,22 @@ class Launcher:
 
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+# The op calls being recorded by host_replay, by thread: each hears of its thread's launches.
+_recorders: dict = {}
+
+
+def _report(launcher, entry, grid, args) -> None:
+    recorder = _recorders.get(threading.get_ident())
+    if recorder is not None:
+        recorder.launch(launcher, entry, grid, args)
+# id(cache entry) -> the compiled kernel it launches (entries live as long as the process).
+_KERNELS: dict = {}
+
+
+def compiled_kernel(entry):
+    """The compiled Triton kernel a launcher cache entry launches, or None."""
+    return _KERNELS.get(id(entry))
 
 
 def _compiled_launch(kernel) -> tuple:

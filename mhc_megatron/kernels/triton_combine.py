@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mhc_megatron.kernels import host_replay
 from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2, signature
 from mhc_megatron.kernels.reference import aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
@@ -170,10 +171,24 @@ def _combine_forward(x, f, f_bias, h_res, h_post, n_streams):
     T, n, C = dims = token_dims(x, n_streams)
     _check(x, n)
     h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
-    out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
-    if T > 0:
-        _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast)
+    if T == 0:
+        out = x.new_empty(x.shape)
+    else:
+        p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
+        fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
+        inputs = (x, f, fb, h_res, h_post)
+        sig = signature(*inputs)
+        (out,) = host_replay.run(p, (sig, "forward", x.shape), inputs, (), lambda: _combine_forward_kernels(
+            x, dims, f, f_bias, h_res, h_post, bcast))
     return out, (x, f, f_bias, h_res, h_post), bcast, dims
+
+
+def _combine_forward_kernels(x, dims, f, f_bias, h_res, h_post, bcast) -> tuple:
+    """The combine forward's allocation and launch (T > 0), as :func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>` takes them: ``((out,), ())``."""
+    out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
+    _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast)
+    return (out,), ()
 
 
 class _CombineFn(torch.autograd.Function):
@@ -195,16 +210,17 @@ class _CombineFn(torch.autograd.Function):
         T, n, C = ctx.dims
         g = g.contiguous()
         fold = ctx.link is not None  # pre's dx pass forms H_res^T g: no dx here
-        dx = None if fold else x.new_empty(x.shape)  # contiguous, also for a broadcast x
-        df = torch.empty_like(f)
-        dh_res = torch.empty(T, n, n, device=x.device, dtype=torch.float32)
-        dh_post = torch.empty(T, n, device=x.device, dtype=torch.float32)
-        if T > 0:
+        if T == 0:
+            dx, df, dh_res, dh_post = _combine_backward_outputs(x, f, fold, dims=ctx.dims)
+        else:
             p = plan(_CombinePlan, T, n, C, f_bias is not None, ctx.bcast)
             fb = f_bias if f_bias is not None else f
-            _BWD.signed(p, signature(g, x, f, fb, h_res, h_post), p.bwd_grid,
-                        p.bwd_fold_meta if fold else p.bwd_meta, g, x, f, fb, h_res, h_post,
-                        g if fold else dx, df, dh_res, dh_post, T, C)  # (dx unwritten in a fold)
+            inputs = (g, x, f, fb, h_res, h_post)
+            sig = signature(*inputs)
+            grads = host_replay.run(p, (sig, "backward", fold, x.shape, f.shape), inputs, (),
+                                    lambda: _combine_backward_kernels(p, sig, inputs, fold,
+                                                                      ctx.dims))
+            dx, df, dh_res, dh_post = (None, *grads) if fold else grads
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
@@ -219,6 +235,27 @@ class _CombineFn(torch.autograd.Function):
         if post_dtype != torch.float32:
             dh_post = dh_post.to(post_dtype)
         return dx, df, dbias, dh_res, dh_post, None, None
+
+
+def _combine_backward_outputs(x, f, fold, dims) -> tuple:
+    """The combine backward's gradients, uninitialised: ``(dx, df, dh_res, dh_post)``; ``dx``
+    None in a fold (pre's dx pass forms it)."""
+    T, n, _ = dims
+    dx = None if fold else x.new_empty(x.shape)  # contiguous, also for a broadcast x
+    return (dx, torch.empty_like(f), torch.empty(T, n, n, device=x.device, dtype=torch.float32),
+            torch.empty(T, n, device=x.device, dtype=torch.float32))
+
+
+def _combine_backward_kernels(p, sig, inputs, fold, dims) -> tuple:
+    """The combine backward's allocations and launch (T > 0), as :func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>` takes them: ``((dx, df, dh_res, dh_post), ())``,
+    without ``dx`` in a fold."""
+    g, x, f, fb, h_res, h_post = inputs
+    T, _, C = dims
+    dx, df, dh_res, dh_post = _combine_backward_outputs(x, f, fold, dims)
+    _BWD.signed(p, sig, p.bwd_grid, p.bwd_fold_meta if fold else p.bwd_meta, g, x, f, fb, h_res,
+                h_post, g if fold else dx, df, dh_res, dh_post, T, C)  # (dx unwritten in a fold)
+    return ((df, dh_res, dh_post) if fold else (dx, df, dh_res, dh_post)), ()
 
 
 def combine(x, f, f_bias, h_res, h_post, n=None):

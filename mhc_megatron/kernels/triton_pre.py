@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from mhc_megatron.kernels import host_replay
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import signature, signature_with_alignment
 from mhc_megatron.kernels.reference import PAPER, aggregate_shape, token_dims
@@ -61,25 +62,48 @@ def _pre_forward(x, phi, alpha, bias, iters, eps, n_streams, form):
     T, n, C = dims = token_dims(x, n_streams)  # x's own pointer to the kernels: [T, n, C]
     _check(x, n)
     phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
-    dev, f32 = x.device, torch.float32
-    y = torch.empty(aggregate_shape(x, n_streams, C), device=dev, dtype=x.dtype)
-    h_pre = torch.empty(T, n, device=dev, dtype=f32)
-    h_post = torch.empty(T, n, device=dev, dtype=f32)
-    h_res = torch.empty(T, n, n, device=dev, dtype=f32)
-    ht = torch.empty(T, _padded_m(n), device=dev, dtype=f32)
-    rstd = torch.empty(T, device=dev, dtype=f32)
-    if T > 0:
+    if T == 0:
+        y, h_pre, h_post, h_res, ht, rstd = _pre_forward_outputs(x, n_streams, dims)
+    else:
         p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
                  transposed)
-        part, part_ss = p.scratch.tensors(dev)
         sig = signature(x, phi, alpha, bias, extra=(int(iters),))
-        _PROJ.signed(p, sig, p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
-        _MAPS_FWD.signed(p, sig, p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre,
-                         h_post, h_res, ht, rstd, x, y, T, p.K, C, p.splits, float(eps),
-                         int(iters), float(form.eps))
-        if not p.map_agg:  # (small inputs: the mapping kernel formed y)
-            _launch_aggregate(x, dims, h_pre, y, bcast, sig)
+        scratch = p.scratch.tensors(x.device)
+        # (the launches' other scalars: eps and the form's eps; the rest is the plan's; x's
+        # shape: y's, [..., C] for the streams [..., n*C], [T, C] for tokens [T, n, C])
+        y, h_pre, h_post, h_res, ht, rstd = host_replay.run(
+            p, (sig, float(eps), float(form.eps), x.shape), (x, phi, alpha, bias), scratch,
+            lambda: _pre_forward_kernels(p, sig, scratch, x, phi, alpha, bias, iters, eps, form,
+                                         n_streams, dims, bcast))
     return (y, h_pre, h_post, h_res), (x, phi, alpha, bias, ht, rstd), bcast, dims
+
+
+def _pre_forward_outputs(x, n_streams, dims) -> tuple:
+    """pre's forward's tensors, uninitialised: ``(y, h_pre, h_post, h_res, ht, rstd)``."""
+    T, n, C = dims
+    dev, f32 = x.device, torch.float32
+    return (torch.empty(aggregate_shape(x, n_streams, C), device=dev, dtype=x.dtype),
+            torch.empty(T, n, device=dev, dtype=f32), torch.empty(T, n, device=dev, dtype=f32),
+            torch.empty(T, n, n, device=dev, dtype=f32),
+            torch.empty(T, _padded_m(n), device=dev, dtype=f32),
+            torch.empty(T, device=dev, dtype=f32))
+
+
+def _pre_forward_kernels(p, sig, scratch, x, phi, alpha, bias, iters, eps, form, n_streams,
+                         dims, bcast) -> tuple:
+    """pre forward's allocations and launches (T > 0), as :func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>` takes them: ``((y, h_pre, h_post, h_res, ht,
+    rstd), ())``."""
+    T, n, C = dims
+    outs = y, h_pre, h_post, h_res, ht, rstd = _pre_forward_outputs(x, n_streams, dims)
+    part, part_ss = scratch
+    _PROJ.signed(p, sig, p.proj_grid, p.proj_meta, x, phi, part, part_ss, T, p.K, C, p.per)
+    _MAPS_FWD.signed(p, sig, p.map_grid, p.map_meta, part, part_ss, alpha, bias, h_pre,
+                     h_post, h_res, ht, rstd, x, y, T, p.K, C, p.splits, float(eps),
+                     int(iters), float(form.eps))
+    if not p.map_agg:  # (small inputs: the mapping kernel formed y)
+        _launch_aggregate(x, dims, h_pre, y, bcast, sig)
+    return outs, ()
 
 
 class _PreFn(torch.autograd.Function):
@@ -106,53 +130,72 @@ class _PreFn(torch.autograd.Function):
     def backward(ctx, dy, dh_pre, dh_post, dh_res):
         x, phi, alpha, bias, ht, rstd, h_pre = ctx.saved_tensors
         T, n, C = ctx.dims
-        dev, f32 = x.device, torch.float32
+        dev = x.device
         g_combine = h_res_combine = None  # the combine's upstream gradient and H_res
         if ctx.link is not None and ctx.link.pending is not None:
             (g_combine, h_res_combine), ctx.link.pending = ctx.link.pending, None
         dsv4, transposed, form_eps = ctx.form
         p = plan(_PreBackwardPlan, T, n, C, x.dtype, forced_precision(), dh_pre is not None,
                  g_combine is not None, ctx.bcast, dsv4, transposed)
-        dphi = torch.empty(p.m, p.K, device=dev, dtype=phi.dtype)
-        dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
-        dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
         if T == 0:
             dx = x.new_zeros(x.shape)
-            return (dx, dphi.zero_(), dalpha.zero_(), dbias.zero_(), None, None, None, None, None,
-                    None)
+            return (dx, phi.new_zeros(p.m, p.K), alpha.new_zeros(3), bias.new_zeros(p.m), None,
+                    None, None, None, None, None)
         main_grads = None if ctx.params is None else _main_grads(ctx.params,
                                                                 ctx.needs_input_grad[1:4])
         dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
               if dy is None else dy.contiguous())
         dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
         dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
-        dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
-        dp, coef, dphi_part, red_part, part = p.scratch.tensors(dev)  # dp: every column written
-        hist = torch.empty(max(ctx.iters, 1), T, n * n, device=dev, dtype=f32)
         dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
         fold = g_combine is not None
-        sig = signature(x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
-                        *((g_combine, h_res_combine) if fold else ()), extra=(ctx.iters,))
-        _DHPRE.signed(p, sig, p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
-        _MAPS_BWD.signed(p, sig, (p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre,
-                         dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, p.K,
-                         ctx.iters, form_eps)
-        del hist
-        _launch_dx_dphi(p, sig, x, dy, h_pre, dp, coef, phi,
-                        g_combine if fold else x, h_res_combine if fold else h_pre,  # unread
-                        dx, dphi_part, T, C, p.dx_per)
-        if main_grads is None:
-            grads_sig, grads_meta, grads_out = sig, p.grads_meta, (dphi, dbias, dalpha)
-        else:  # added to the main_grads; what autograd gets for phi, alpha, bias is unread
-            phi_main, alpha_main, bias_main = main_grads  # (views into DDP's buffer: some
-            grads_sig = signature_with_alignment(*main_grads)  # start unaligned)
-            grads_meta, grads_out = p.accumulate_meta(phi.dtype), (phi_main, bias_main, alpha_main)
-        _PARAM_GRADS.signed(p, grads_sig, p.grads_grid, grads_meta, dphi_part, red_part,
-                            *grads_out, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
+        inputs = (x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
+                  *((g_combine, h_res_combine) if fold else ()), *(main_grads or ()))
+        sig = signature(*inputs[:11 + 2 * fold], extra=(ctx.iters,))
+        grads_sig = sig if main_grads is None else signature_with_alignment(*main_grads)
+        scratch = p.scratch.tensors(dev)
+        # (the launches' other scalars: the Sinkhorn iterations, in sig, and the form's eps;
+        # x's shape: dx's)
+        dx, dphi, dalpha, dbias = host_replay.run(
+            p, (sig, grads_sig, form_eps, x.shape), inputs, scratch,
+            lambda: _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads,
+                                          ctx.iters, form_eps, dims=(T, n, C)))
         if main_grads is not None:
             for param in ctx.params:
                 param.grad_added_to_main_grad = True
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
+
+
+def _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads, iters,
+                          form_eps, dims) -> tuple:
+    """pre backward's allocations and launches (T > 0), as :func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>` takes them: ``((dx, dphi, dalpha, dbias),
+    (hist,))``. With ``main_grads`` the parameter gradients are added to those buffers and
+    what autograd gets for phi, alpha and bias is unread."""
+    x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi = inputs[:11]
+    T, n, C = dims
+    g_combine, h_res_combine = inputs[11:13] if fold else (x, h_pre)  # (unread if no fold)
+    dev, f32 = x.device, torch.float32
+    dphi = torch.empty(p.m, p.K, device=dev, dtype=phi.dtype)
+    dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
+    dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
+    dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
+    dp, coef, dphi_part, red_part, part = scratch  # dp: every column written
+    hist = torch.empty(max(iters, 1), T, n * n, device=dev, dtype=f32)
+    _DHPRE.signed(p, sig, p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
+    _MAPS_BWD.signed(p, sig, (p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre,
+                     dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, p.K,
+                     iters, form_eps)
+    _launch_dx_dphi(p, sig, x, dy, h_pre, dp, coef, phi, g_combine, h_res_combine, dx,
+                    dphi_part, T, C, p.dx_per)
+    if main_grads is None:
+        grads_meta, grads_out = p.grads_meta, (dphi, dbias, dalpha)
+    else:  # (views into DDP's buffer: some start unaligned, hence grads_sig)
+        phi_main, alpha_main, bias_main = main_grads
+        grads_meta, grads_out = p.accumulate_meta(phi.dtype), (phi_main, bias_main, alpha_main)
+    _PARAM_GRADS.signed(p, grads_sig, p.grads_grid, grads_meta, dphi_part, red_part,
+                        *grads_out, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
+    return (dx, dphi, dalpha, dbias), (hist,)
 
 
 def _main_grads(params, needs_grad) -> tuple | None:

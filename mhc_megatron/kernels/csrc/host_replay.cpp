@@ -1,0 +1,138 @@
+// The host side of one mHC op call, replayed: allocate its tensors and launch its Triton kernels
+// as a recorded call did (mhc_megatron/kernels/host_replay.py). Built on first use with
+// torch.utils.cpp_extension; the CUDA driver's cuLaunchKernel is looked up in libcuda at run time,
+// so the build needs torch's headers and a C++ compiler only.
+#include <torch/extension.h>
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, void*, void**, void**);
+
+LaunchKernel launch_kernel() {
+  static LaunchKernel fn = nullptr;
+  if (fn == nullptr) {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    TORCH_CHECK(lib != nullptr, "mHC host replay: libcuda.so.1 is not loaded");
+    fn = reinterpret_cast<LaunchKernel>(dlsym(lib, "cuLaunchKernel"));
+    TORCH_CHECK(fn != nullptr, "mHC host replay: no cuLaunchKernel in libcuda.so.1");
+  }
+  return fn;
+}
+
+// Where a kernel parameter's value comes from (host_replay.py: ARG_KINDS).
+enum Kind : int64_t { INPUT = 0, ALLOCATED = 1, SCRATCH = 2, I32 = 3, I64 = 4, F32 = 5, NULLPTR = 6 };
+
+constexpr size_t kMaxParams = 64;
+
+struct Launch {
+  uint64_t function;
+  unsigned grid_x, grid_y, grid_z, block, shared;
+  std::vector<int64_t> kinds, values;
+};
+
+struct Recipe {
+  int64_t inputs, scratch;
+  std::vector<std::vector<int64_t>> sizes;  // the allocated tensors, contiguous
+  std::vector<at::ScalarType> dtypes;
+  std::vector<int64_t> returned;  // which allocated tensors run() returns, in order
+  std::vector<Launch> launches;
+};
+
+std::vector<Recipe>& recipes() {
+  static std::vector<Recipe> all;
+  return all;
+}
+
+}  // namespace
+
+int64_t add_recipe(int64_t inputs, int64_t scratch, std::vector<std::vector<int64_t>> sizes,
+                   std::vector<int64_t> dtypes, std::vector<int64_t> returned,
+                   std::vector<std::vector<int64_t>> geometry,  // function, grid x/y/z, block, shared
+                   std::vector<std::vector<int64_t>> kinds, std::vector<std::vector<int64_t>> values) {
+  TORCH_CHECK(sizes.size() == dtypes.size() && geometry.size() == kinds.size() &&
+              kinds.size() == values.size(), "mHC host replay: inconsistent recipe");
+  Recipe r;
+  r.inputs = inputs;
+  r.scratch = scratch;
+  r.sizes = std::move(sizes);
+  for (int64_t d : dtypes) r.dtypes.push_back(static_cast<at::ScalarType>(d));
+  for (int64_t i : returned) TORCH_CHECK(i >= 0 && i < (int64_t)r.sizes.size());
+  r.returned = std::move(returned);
+  for (size_t i = 0; i < geometry.size(); ++i) {
+    TORCH_CHECK(geometry[i].size() == 6 && kinds[i].size() == values[i].size() &&
+                kinds[i].size() <= kMaxParams, "mHC host replay: bad launch in recipe");
+    Launch l;
+    l.function = static_cast<uint64_t>(geometry[i][0]);
+    l.grid_x = geometry[i][1];
+    l.grid_y = geometry[i][2];
+    l.grid_z = geometry[i][3];
+    l.block = geometry[i][4];
+    l.shared = geometry[i][5];
+    for (size_t j = 0; j < kinds[i].size(); ++j) {
+      int64_t k = kinds[i][j], v = values[i][j];
+      TORCH_CHECK(k >= INPUT && k <= NULLPTR, "mHC host replay: bad argument kind");
+      TORCH_CHECK(k != INPUT || (v >= 0 && v < inputs), "mHC host replay: bad input index");
+      TORCH_CHECK(k != SCRATCH || (v >= 0 && v < scratch), "mHC host replay: bad scratch index");
+      TORCH_CHECK(k != ALLOCATED || (v >= 0 && v < (int64_t)r.sizes.size()),
+                  "mHC host replay: bad allocation index");
+    }
+    l.kinds = std::move(kinds[i]);
+    l.values = std::move(values[i]);
+    r.launches.push_back(std::move(l));
+  }
+  recipes().push_back(std::move(r));
+  return static_cast<int64_t>(recipes().size()) - 1;
+}
+
+std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& scratch, int64_t stream,
+                            int64_t device) {
+  const Recipe& r = recipes().at(id);
+  TORCH_CHECK((int64_t)inputs.size() == r.inputs && (int64_t)scratch.size() == r.scratch,
+              "mHC host replay: a recipe run with other inputs than it was recorded with");
+  const auto options = at::TensorOptions().device(at::kCUDA, device);
+  std::vector<at::Tensor> allocated;
+  allocated.reserve(r.sizes.size());
+  for (size_t i = 0; i < r.sizes.size(); ++i) {
+    allocated.push_back(at::empty(r.sizes[i], options.dtype(r.dtypes[i])));
+  }
+  const LaunchKernel launch = launch_kernel();
+  uint64_t slots[kMaxParams];
+  void* params[kMaxParams];
+  for (const Launch& l : r.launches) {
+    for (size_t j = 0; j < l.kinds.size(); ++j) {
+      const int64_t v = l.values[j];
+      slots[j] = 0;
+      switch (l.kinds[j]) {
+        case INPUT: slots[j] = reinterpret_cast<uint64_t>(inputs[v].data_ptr()); break;
+        case ALLOCATED: slots[j] = reinterpret_cast<uint64_t>(allocated[v].data_ptr()); break;
+        case SCRATCH: slots[j] = reinterpret_cast<uint64_t>(scratch[v].data_ptr()); break;
+        case I32: { const int32_t x = static_cast<int32_t>(v); std::memcpy(&slots[j], &x, 4); break; }
+        case I64: slots[j] = static_cast<uint64_t>(v); break;
+        case F32: { const uint32_t x = static_cast<uint32_t>(v); std::memcpy(&slots[j], &x, 4); break; }
+        default: break;  // NULLPTR
+      }
+      params[j] = &slots[j];
+    }
+    const int status = launch(reinterpret_cast<void*>(l.function), l.grid_x, l.grid_y, l.grid_z,
+                              l.block, 1, 1, l.shared, reinterpret_cast<void*>(stream), params,
+                              nullptr);
+    TORCH_CHECK(status == 0, "mHC host replay: cuLaunchKernel failed (CUresult ", status, ")");
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(r.returned.size());
+  for (int64_t i : r.returned) out.push_back(allocated[i]);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_recipe", &add_recipe, "register a recorded op call; returns its id");
+  m.def("run", &run, "allocate and launch as recipe `id` records; returns the returned tensors");
+}

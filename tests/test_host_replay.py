@@ -1,0 +1,288 @@
+"""The ops' host work replayed from C++ (mhc_megatron.kernels.host_replay).
+
+CPU: the recording of an op call against stand-in kernels: every kernel parameter resolved to
+an input, a scratch tensor, an allocation or a constant, constexprs left out, the trailing
+scratch pointers added; interpreting the recipe gives back the recorded launches' arguments;
+anything the replay could not reproduce (an undeclared tensor, Triton's own launcher, a
+returned input) registers no recipe. CUDA: the four ops and a sublayer chained through
+autograd give the same bits replayed as on the Python path, in every variant the ops have
+(the combine's dx folded into pre's backward or not, ``dH_pre`` given, broadcast streams, a
+sublayer bias, gradient-accumulation fusion), and the replay runs (recipes registered).
+"""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mhc_megatron.kernels import host_replay, launch
+from mhc_megatron.kernels.launch import Launcher
+
+CUDA = torch.cuda.is_available()
+
+
+class _FakeExtension:
+    """Stands in for the built extension: keeps what add_recipe was given."""
+
+    def __init__(self):
+        self.recipes = []
+
+    def add_recipe(self, *args):
+        self.recipes.append(args)
+        return len(self.recipes) - 1
+
+
+def _stand_in_launch(monkeypatch, names, signature):
+    """A launcher whose compiled kernel has ``signature`` ({name: type}), and its cache entry."""
+    launcher = Launcher.__new__(Launcher)
+    launcher.fn, launcher.param_names, launcher._cache = None, tuple(names), {}
+    kernel = SimpleNamespace(
+        function=0xABC, src=SimpleNamespace(signature=signature),
+        metadata=SimpleNamespace(num_warps=4, shared=1024, num_ctas=1),
+        run=SimpleNamespace(global_scratch_size=0, profile_scratch_size=0))
+    entry = (None, (), (8,))  # (launch, prefix, the constexpr tail: BLOCK=8)
+    monkeypatch.setitem(launch._KERNELS, id(entry), kernel)
+    return launcher, entry
+
+
+@pytest.fixture
+def fake_extension(monkeypatch):
+    ext = _FakeExtension()
+    monkeypatch.setattr(host_replay, "_extension", ext)
+    monkeypatch.setattr(launch, "_triton_version", lambda: (3, 6))
+    monkeypatch.setattr(host_replay, "_param_count", lambda function: None)
+    monkeypatch.setattr(host_replay, "_NATIVE", {})  # (stand-in entries' ids are reused)
+    return ext
+
+
+def _interpret(recipe, inputs, scratch, allocated):
+    """The arguments each launch of ``recipe`` passes, as the C++ replay forms them."""
+    _, _, sizes, dtypes, returned, geometry, kinds, values = recipe
+    out = []
+    for k_list, v_list in zip(kinds, values):
+        args = []
+        for k, v in zip(k_list, v_list):
+            args.append({host_replay.INPUT: lambda: inputs[v].data_ptr(),
+                         host_replay.SCRATCH: lambda: scratch[v].data_ptr(),
+                         host_replay.ALLOCATED: lambda: allocated[v].data_ptr(),
+                         host_replay.I32: lambda: v, host_replay.I64: lambda: v,
+                         host_replay.F32: lambda: struct.unpack("<f", struct.pack("<I", v))[0],
+                         host_replay.NULLPTR: lambda: 0}[k]())
+        out.append(args)
+    return out
+
+
+def test_recording_resolves_every_parameter(fake_extension, monkeypatch):
+    names = ("x", "w", "part", "out", "tmp", "T", "eps", "n64", "BLOCK")
+    sig = {"x": "*bf16", "w": "*fp32", "part": "*fp32", "out": "*bf16", "tmp": "*fp32",
+           "T": "i32", "eps": "fp32", "n64": "i64", "BLOCK": "constexpr"}
+    launcher, entry = _stand_in_launch(monkeypatch, names, sig)
+    x, w = torch.randn(6, 4).bfloat16(), torch.randn(3)
+    part = torch.empty(5)
+    out, tmp = torch.empty(6, 4, dtype=torch.bfloat16), torch.empty(2, 3)
+    recorder = host_replay._Recorder((x, w), (part,))
+    with recorder.active():
+        launch._report(launcher, entry, (3, 2), (x, w, part, out, tmp, 6, 1e-6, 2**40))
+        launch._report(launcher, entry, (1,), (out, w, part, out, tmp, 1, 0.5, 7))
+    recipe = recorder.register((out,), (tmp,), device=0)
+    assert recipe is not None and recipe.rid == 0
+    n_in, n_scratch, sizes, dtypes, returned, geometry, kinds, values = fake_extension.recipes[0]
+    assert (n_in, n_scratch) == (2, 1)
+    assert sizes == [[6, 4], [2, 3]] and dtypes == [15, 6] and returned == [0]
+    assert geometry == [[0xABC, 3, 2, 1, 128, 1024], [0xABC, 1, 1, 1, 128, 1024]]
+    # 8 runtime arguments (BLOCK is compiled in) and triton 3.6's two scratch pointers
+    assert all(len(k) == 10 and k[-2:] == [host_replay.NULLPTR] * 2 for k in kinds)
+    assert kinds[0][:8] == [host_replay.INPUT, host_replay.INPUT, host_replay.SCRATCH,
+                            host_replay.ALLOCATED, host_replay.ALLOCATED, host_replay.I32,
+                            host_replay.F32, host_replay.I64]
+    # interpreted with other tensors of the same roles, the recipe passes those tensors
+    x2, w2, part2 = x.clone(), w.clone(), part.clone()
+    out2, tmp2 = torch.empty_like(out), torch.empty_like(tmp)
+    got = _interpret(fake_extension.recipes[0], (x2, w2), (part2,), (out2, tmp2))
+    f32 = struct.unpack("<f", struct.pack("<f", 1e-6))[0]
+    assert got[0] == [x2.data_ptr(), w2.data_ptr(), part2.data_ptr(), out2.data_ptr(),
+                      tmp2.data_ptr(), 6, f32, 2**40, 0, 0]
+    assert got[1] == [out2.data_ptr(), w2.data_ptr(), part2.data_ptr(), out2.data_ptr(),
+                      tmp2.data_ptr(), 1, 0.5, 7, 0, 0]
+
+
+@pytest.mark.parametrize("case", ["undeclared tensor", "triton's launcher", "returned input",
+                                  "no launch", "unknown type"])
+def test_what_a_replay_could_not_reproduce_registers_nothing(fake_extension, monkeypatch, case):
+    sig = {"x": "*fp32", "out": "*fp32", "T": "bf16" if case == "unknown type" else "i32"}
+    launcher, entry = _stand_in_launch(monkeypatch, ("x", "out", "T"), sig)
+    x, out, copy = torch.randn(4), torch.empty(4), torch.randn(4)
+    recorder = host_replay._Recorder((x,), ())
+    with recorder.active():
+        if case == "undeclared tensor":  # e.g. a copy the op made of an input
+            launch._report(launcher, entry, (1,), (copy, out, 4))
+        elif case == "triton's launcher":
+            launch._report(launcher, None, (1,), (x, out, 4))
+        elif case != "no launch":
+            launch._report(launcher, entry, (1,), (x, out, 4))
+    returned = (x,) if case == "returned input" else (out,)
+    assert recorder.register(returned, (), device=0) is None
+    assert fake_extension.recipes == []
+
+
+def test_a_recorder_hears_only_its_own_thread(fake_extension, monkeypatch):
+    import threading
+
+    launcher, entry = _stand_in_launch(monkeypatch, ("x", "out", "T"),
+                                       {"x": "*fp32", "out": "*fp32", "T": "i32"})
+    x, out, other = torch.randn(4), torch.empty(4), torch.empty(4)
+    recorder = host_replay._Recorder((x,), ())
+    with recorder.active():
+        thread = threading.Thread(target=launch._report,
+                                  args=(launcher, entry, (1,), (other, other, 9)))
+        thread.start()
+        thread.join()
+        launch._report(launcher, entry, (1,), (x, out, 4))
+    assert len(recorder.launches) == 1 and not launch._recorders
+    assert recorder.register((out,), (), device=0) is not None
+
+
+def test_run_takes_the_python_path_where_nothing_replays(monkeypatch):
+    """No signature (the direct launch path off), or replay off: the Python call, no recipe."""
+    plan = SimpleNamespace(recipes={})
+    calls = []
+
+    def python():
+        calls.append(1)
+        return ("returned",), ()
+
+    assert host_replay.run(plan, (None,), (), (), python) == ("returned",)
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    assert host_replay.run(plan, ((0, torch.float32),), (), (), python) == ("returned",)
+    assert calls == [1, 1] and plan.recipes == {}
+
+
+def test_the_host_replay_source_ships_with_the_package():
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["mhc_megatron.kernels"]
+    source = Path(host_replay.__file__).parent / "csrc" / "host_replay.cpp"
+    assert source.is_file()
+    assert any(fnmatch.fnmatch("csrc/host_replay.cpp", p) for p in patterns), patterns
+
+
+# ---- CUDA: the replay against the Python path, bit for bit
+
+def _replay_or_skip():
+    if not CUDA:
+        pytest.skip("needs CUDA (compiled Triton kernels)")
+    reason = host_replay.unavailable()
+    if reason is not None:
+        pytest.skip(f"the host replay is off here: {reason}")
+
+
+def _sublayer_case(variant: str, seed: int = 0, T: int = 37, C: int = 96, n: int = 4):
+    """One sublayer's ops, forward and backward through autograd, in ``variant``; returns every
+    output and gradient."""
+    from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.layers.streams import broadcast_streams
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    m = 2 * n + n * n
+    dev = "cuda"
+    phi = (0.02 * torch.randn(m, n * C, device=dev, generator=g)).requires_grad_()
+    alpha = torch.full((3,), 0.3, device=dev, requires_grad=True)
+    bias = (0.1 * torch.randn(m, device=dev, generator=g)).requires_grad_()
+    h = torch.randn(T, 1, C, device=dev, dtype=torch.bfloat16, generator=g)
+    if variant == "broadcast":  # layer 1: the embeddings read as n equal streams
+        emb = h.requires_grad_()
+        x = broadcast_streams(emb, n).view(T, n, C)
+        leaf, n_arg = emb, None
+    else:
+        x = torch.randn(T, n * C, device=dev, dtype=torch.bfloat16,
+                        generator=g).requires_grad_()
+        leaf, n_arg = x, n
+    if variant == "main_grads":  # Megatron's DDP protocol, gradient_accumulation_fusion
+        for p in (phi, alpha, bias):
+            p.main_grad = torch.zeros_like(p)
+            p.grad_added_to_main_grad = False
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n_arg,
+                                             main_grads=variant == "main_grads")
+    f = y * 1.25
+    f_bias = (0.1 * torch.randn(C, device=dev, dtype=torch.bfloat16,
+                                generator=g)).requires_grad_() if variant == "bias" else None
+    x_in = x.detach().requires_grad_() if variant == "no_fold" else x  # combine on another x
+    out = triton_mhc.combine(x_in, f, f_bias, h_res, h_post, n=n_arg)
+    loss = out.float().square().sum()
+    if variant == "dh_pre":
+        loss = loss + (h_pre * torch.arange(n, device=dev)).sum()
+    loss.backward()
+    grads = [t.grad for t in (leaf, phi, alpha, bias)]
+    if variant == "main_grads":
+        grads = [leaf.grad] + [p.main_grad for p in (phi, alpha, bias)]
+    extra = [x_in.grad] if variant == "no_fold" else [f_bias.grad] if variant == "bias" else []
+    return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, *grads, *extra)]
+
+
+VARIANTS = ["fold", "no_fold", "dh_pre", "broadcast", "bias", "main_grads"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replay_equals_the_python_path(monkeypatch, variant):
+    _replay_or_skip()
+    from mhc_megatron.kernels.triton_common import PLANS
+
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    want = _sublayer_case(variant)
+    monkeypatch.setattr(host_replay, "_ENABLED", True)
+    PLANS.clear()  # record afresh
+    recorded = _sublayer_case(variant)  # records (the Python path)
+    replayed = _sublayer_case(variant)  # replays
+    again = _sublayer_case(variant, seed=1)
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    want_again = _sublayer_case(variant, seed=1)
+    for w, a, b in zip(want, recorded, replayed):
+        assert torch.equal(w, a) and torch.equal(w, b)
+    for w, b in zip(want_again, again):
+        assert torch.equal(w, b)
+    recipes = [r for p in PLANS.values() for r in getattr(p, "recipes", {}).values()]
+    # pre forward, pre backward, combine forward, combine backward: all replayed
+    assert len(recipes) == 4 and all(isinstance(r, host_replay.Recipe) for r in recipes), recipes
+
+
+@pytest.mark.gpu
+def test_replay_is_captured_by_cuda_graphs():
+    """A replayed sublayer captured in a CUDA graph: the graph's replay equals eager, bit for bit."""
+    _replay_or_skip()
+    from mhc_megatron.kernels import triton_mhc
+
+    T, C, n = 64, 128, 4
+    m = 2 * n + n * n
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, generator=g)
+    phi = 0.02 * torch.randn(m, n * C, device="cuda", generator=g)
+    alpha, bias = torch.full((3,), 0.3, device="cuda"), torch.zeros(m, device="cuda")
+
+    def step():
+        x_ = x.detach().requires_grad_()
+        y, _, h_post, h_res = triton_mhc.pre(x_, phi, alpha, bias, 20, 1e-6, n=n)
+        out = triton_mhc.combine(x_, y, None, h_res, h_post, n=n)
+        out.float().sum().backward()
+        return out.detach(), x_.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # records, then replays, on this stream
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for e, c in zip(eager, captured):
+        assert torch.equal(e, c)
