@@ -39,7 +39,7 @@ so wall time is host time:
 * ``--replay-ab``: the ops' host work (allocations and launches) replayed from C++
   (:mod:`mhc_megatron.kernels.host_replay`) against the Python path, in this process, the two
   alternating: the four ops, 8 sublayers chained through autograd, and the dense model's
-  baseline and mHC steps (mHC's growth per sublayer in each mode);
+  baseline, mHC and mHC + recompute steps (mHC's growth per sublayer in each mode);
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -588,9 +588,9 @@ def replay_ab_rows(args) -> list[str]:
 def ab_rows(args, modes) -> list[str]:
     """Two modes of the ops' host path (``modes``: ``(name, context factory)`` each) in one
     process, alternating ``--rounds`` times: per op, for ``ENGINE_DEPTH`` sublayers chained
-    through autograd (per sublayer), and for the dense model's baseline and mHC steps (median
-    of the rounds' medians for the ops, minimum over the rounds' steps for the models, and mHC's
-    step over the baseline's per sublayer)."""
+    through autograd (per sublayer), and for the dense model's baseline, mHC and mHC +
+    ``mhc_recompute`` steps (median of the rounds' medians for the ops, minimum over the rounds'
+    steps for the models, and each mHC step over the baseline's per sublayer)."""
     cases = op_cases(args.tokens, args.hidden)
     cases.append((f"one sublayer through autograd ({ENGINE_DEPTH} chained, one backward call; "
                   "per sublayer)", sublayers_through_engine(args.tokens, args.hidden,
@@ -598,8 +598,10 @@ def ab_rows(args, modes) -> list[str]:
     per_call = {name: (ENGINE_DEPTH if name.startswith("one sublayer") else 1)
                 for name, _ in cases}
     shape = _dense_shape(args)
-    models = {name: make_step(build(shape, "local", mhc, False, DEVICE)[0], shape, "local",
-                              DEVICE) for name, mhc in (("baseline", False), ("mHC", True))}
+    models = {name: make_step(build(shape, "local", mhc, recompute, DEVICE)[0], shape, "local",
+                              DEVICE)
+              for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
+                                           ("mHC + recompute", True, True))}
     ops = {(mode, name): [] for mode, _ in modes for name, _ in cases}
     steps = {(mode, name): [] for mode, _ in modes for name in models}
     for mode, ctx in modes:  # warm-up: compiles, fills every cache (and records)
@@ -634,9 +636,10 @@ def ab_rows(args, modes) -> list[str]:
         a, b = (min(steps[m, model]) for m in names)
         lines.append(f"| dense {model} model step (4 layers), ms, min | {a:.3f} | {b:.3f} | "
                      f"{1e3 * (a - b) / sub:+.0f} us a sublayer |")
-    over = [1e3 * (min(steps[m, "mHC"]) - min(steps[m, "baseline"])) / sub for m in names]
-    lines.append(f"| mHC's step over the baseline's, per sublayer, us (min) | {over[0]:.0f} | "
-                 f"{over[1]:.0f} | {over[0] - over[1]:+.0f} |")
+    for model in ("mHC", "mHC + recompute"):
+        over = [1e3 * (min(steps[m, model]) - min(steps[m, "baseline"])) / sub for m in names]
+        lines.append(f"| {model}'s step over the baseline's, per sublayer, us (min) | "
+                     f"{over[0]:.0f} | {over[1]:.0f} | {over[0] - over[1]:+.0f} |")
     print("\n".join(lines), flush=True)
     return lines
 

@@ -85,7 +85,10 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     assert ab_rows == ["host us", *names, "one sublayer through autograd (2 chained, one "
                        "backward call; per sublayer)", "dense baseline model step (4 layers), "
                        "ms, min", "dense mHC model step (4 layers), ms, min",
-                       "mHC's step over the baseline's, per sublayer, us (min)"], ab_rows
+                       "dense mHC + recompute model step (4 layers), ms, min",
+                       "mHC's step over the baseline's, per sublayer, us (min)",
+                       "mHC + recompute's step over the baseline's, per sublayer, us (min)"
+                       ], ab_rows
 
 
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
