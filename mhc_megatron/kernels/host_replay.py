@@ -111,7 +111,8 @@ def _load() -> None:
                 _extension = cpp_extension.load("mhc_host_replay", [source],
                                                 extra_cflags=["-O2"], verbose=False)
             except Exception as error:  # no compiler, no ninja, a failed build
-                reason = f"the extension did not build ({type(error).__name__}: {error})"
+                first = (str(error).strip().splitlines() or [""])[0][:300]
+                reason = f"the extension did not build ({type(error).__name__}: {first})"
         if reason is not None:
             _unavailable = reason
             log_rank0(logger, logging.INFO, "mHC: ops' host work stays in Python (%s)", reason)
