@@ -4,7 +4,7 @@ CPU: the recording of an op call against stand-in kernels: every kernel paramete
 an input, a scratch tensor, an allocation or a constant, constexprs left out, the trailing
 scratch pointers added; interpreting the recipe gives back the recorded launches' arguments;
 anything the replay could not reproduce (an undeclared tensor, Triton's own launcher, a
-returned input) registers no recipe. CUDA: the four ops and a sublayer chained through
+returned input) registers no recipe; a failed build keeps the Python path and says why. CUDA: the four ops and a sublayer chained through
 autograd give the same bits replayed as on the Python path, in every variant the ops have
 (the combine's dx folded into pre's backward or not, ``dH_pre`` given, broadcast streams, a
 sublayer bias, gradient-accumulation fusion), and the replay runs (recipes registered).
@@ -158,6 +158,28 @@ def test_run_takes_the_python_path_where_nothing_replays(monkeypatch):
     monkeypatch.setattr(host_replay, "_ENABLED", False)
     assert host_replay.run(plan, ((0, torch.float32),), (), (), python) == ("returned",)
     assert calls == [1, 1] and plan.recipes == {}
+
+
+def test_a_failed_build_keeps_the_python_path_and_says_why(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions\n(pages of output)")
+
+    monkeypatch.setattr(host_replay, "_extension", None)
+    monkeypatch.setattr(host_replay, "_unavailable", None)
+    monkeypatch.setattr(launch, "fast_launch_supported", lambda: None)
+    monkeypatch.setattr(launch, "_triton_version", lambda: (3, 6))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    assert host_replay.unavailable() == ("the extension did not build (RuntimeError: Ninja is "
+                                         "required to load C++ extensions)")
+    plan = SimpleNamespace(recipes={})
+    assert host_replay.run(plan, ((0, torch.float32),), (), (), lambda: (("py",), ())) == ("py",)
+    assert plan.recipes == {}
+    monkeypatch.setattr(host_replay, "_unavailable", None)
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    assert host_replay.unavailable() == "MHC_HOST_REPLAY=0"
 
 
 def test_the_host_replay_source_ships_with_the_package():
