@@ -354,6 +354,28 @@ def run_ranks(nproc: int, script, *args: str, env: dict,
     return start_ranks(nproc, script, *args, env=env).wait(timeout)
 
 
+def start_python(*argv: str, env: dict):
+    """``python *argv`` (``SCRIPT ARGS`` or ``-m MODULE ARGS``), one process with ``env`` as
+    given (no torchrun variables), from the repository root, started now: on a
+    :data:`FORK_RANKS` host forked from the session's fork server, where torch and Megatron
+    are imported already (a new interpreter where the server refuses ``env``), elsewhere a new
+    interpreter. What a script does and prints is the same either way, except the notices
+    that importing torch and Megatron prints (a test of those starts a new interpreter). The
+    result has ``wait(timeout) -> CompletedProcess`` (stdout and stderr together) and
+    ``kill()``, as :class:`Background`."""
+    argv = [str(a) for a in argv]
+    if FORK_RANKS:
+        launch = _fork_server().submit(1, argv, env, plain=True)
+        if launch is not None:
+            return launch
+    return Background([sys.executable, *argv], env)
+
+
+def run_python(*argv: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """:func:`start_python`, to its end: the exit code and the output."""
+    return start_python(*argv, env=env).wait(timeout)
+
+
 class _ServedLaunch:
     """A launch that the fork server started (a process group of its own, output to a file)."""
 
@@ -423,15 +445,17 @@ class _ForkServer:
             got = self.replies.get(ident, {})
             return next(((k, got[k]) for k in kinds if k in got), None)
 
-    def submit(self, nproc: int, argv: list[str], env: dict):
-        """Start a launch; None where the server refuses it or is gone."""
+    def submit(self, nproc: int, argv: list[str], env: dict, plain: bool = False):
+        """Start a launch (``plain``: one process, see fork_ranks.py); None where the server
+        refuses it or is gone."""
         with self.changed:
             if not self.alive:
                 return None
             self.count += 1
             ident = str(self.count)
         out = os.path.join(self.dir, f"launch{ident}.out")
-        request = {"id": ident, "nproc": nproc, "argv": argv, "env": env, "out": out}
+        request = {"id": ident, "nproc": nproc, "argv": argv, "env": env, "out": out,
+                   "plain": plain}
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
@@ -442,7 +466,7 @@ class _ForkServer:
             why = reply[1] if reply else "no answer; its log ends:\n" + self._log_tail()
             print(f"fork server: {why}\n(the launch runs on its own)", file=sys.stderr)
             return None
-        cmd = [str(FORK_RANKS_SCRIPT), str(nproc), *argv]
+        cmd = [sys.executable, *argv] if plain else [str(FORK_RANKS_SCRIPT), str(nproc), *argv]
         return _ServedLaunch(self, ident, int(reply[1]), out, cmd)
 
     def _log_tail(self) -> str:

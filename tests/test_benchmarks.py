@@ -15,19 +15,31 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import child_env, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(*argv: str, env: dict | None = None) -> str:
-    """Run a benchmark script in a child process. Not with this process's MASTER_PORT (set
-    when an earlier test started the one-rank process group): the child's group would try
-    to listen on the port this process holds."""
+    """Run a benchmark script in a child process; its stdout. Not with this process's
+    MASTER_PORT (set when an earlier test started the one-rank process group): the child's
+    group would try to listen on the port this process holds."""
     base = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**base, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+def run_report_script(*argv: str, env: dict | None = None) -> None:
+    """Run a benchmark script whose report the test reads from its ``--out`` file in a process
+    of its own (``helpers.run_python``: on a CPU host forked from the tests' fork server, where
+    torch and Megatron are imported already), with the tests' child environment (no
+    MASTER_PORT; CUDA hidden where there is none)."""
+    env = child_env(cpu_only=not torch.cuda.is_available(), **(env or {}))
+    run = run_python(*argv, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:]
 
 
 def table_rows(text: str, first_cell: str) -> list[list[str]]:
@@ -39,8 +51,8 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
                          ids=["one-process", "isolate", "interleave"])
 def test_bench_e2e_smoke_prints_every_run(mode, tmp_path):
     out = tmp_path / "e2e.md"
-    run_script("benchmarks/bench_e2e.py", "--smoke", "--configs", "dense", "--specs", "local",
-               "--steps", "1", "--warmup", "1", "--out", str(out), *mode)
+    run_report_script("benchmarks/bench_e2e.py", "--smoke", "--configs", "dense", "--specs",
+                      "local", "--steps", "1", "--warmup", "1", "--out", str(out), *mode)
     text = out.read_text()
     rows = table_rows(text, "dense")
     assert [r[2] for r in rows] == ["baseline", "mHC", "mHC + recompute"]
@@ -62,9 +74,9 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     both launch through Triton's own launcher: the plumbing only); ``--replay-ab`` says why
     there is no replay from C++ on the interpreter."""
     out = tmp_path / "host.md"
-    run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
-               "--no-models", "--launch-ab", "--replay-ab", "--rounds", "1", "--out", str(out),
-               env={"TRITON_INTERPRET": "1"})
+    run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
+                      "2", "--no-models", "--launch-ab", "--replay-ab", "--rounds", "1",
+                      "--out", str(out), env={"TRITON_INTERPRET": "1"})
     text, replay = out.read_text().split("replayed from C++ against the Python path")
     assert "(no replay here: TRITON_INTERPRET=1)" in replay, replay
     table, ab = text.split("Launches by signature against the per-argument key")
@@ -95,10 +107,10 @@ def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     """``--breakdown`` times the baseline, mHC and mHC with null ops (no kernels) side by
     side; ``--profile-models`` writes the per-step differences of the two models' profiles."""
     out, prof = tmp_path / "host.md", tmp_path / "models.md"
-    run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
-               "--no-models", "--breakdown", "--rounds", "1", "--profile-models", str(prof),
-               "--profile-steps", "3",
-               "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
+                      "2", "--no-models", "--breakdown", "--rounds", "1", "--profile-models",
+                      str(prof), "--profile-steps", "3", "--out", str(out),
+                      env={"TRITON_INTERPRET": "1"})
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, null ops"], rows
@@ -114,9 +126,9 @@ def test_bench_host_grad_fusion_on_the_interpreter(tmp_path):
     """``--grad-fusion`` times the baseline, mHC and mHC with the gradient-accumulation fusion,
     each inside Megatron's DDP, side by side."""
     out = tmp_path / "host.md"
-    run_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters", "2",
-               "--no-models", "--grad-fusion", "--rounds", "1", "--out", str(out),
-               env={"TRITON_INTERPRET": "1"})
+    run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
+                      "2", "--no-models", "--grad-fusion", "--rounds", "1", "--out", str(out),
+                      env={"TRITON_INTERPRET": "1"})
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, gradient_accumulation_fusion"], rows

@@ -7,15 +7,12 @@ loads to the saved model's logits and weights, bit for bit."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 
-from helpers import ROOT, SEQ, VOCAB, assert_loads_to, batch, child_env, tiny_config
+from helpers import SEQ, VOCAB, assert_loads_to, batch, child_env, run_python, tiny_config
 from mhc_megatron.checkpoint import read_dist_checkpoint, stack_layers, unstack_layers
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec, get_gpt_mtp_block_with_mhc_spec
 
@@ -30,10 +27,10 @@ def _dsv4_gpt(seed: int):
 
 
 def _convert(source, target, frm, to):
-    run = subprocess.run([sys.executable, "-m", "mhc_megatron.convert", "--from", frm, "--to", to,
-                          str(source), str(target)], cwd=ROOT, capture_output=True, text=True,
-                         env=child_env(cpu_only=True), timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    """``python -m mhc_megatron.convert`` (``helpers.run_python``); its output."""
+    run = run_python("-m", "mhc_megatron.convert", "--from", frm, "--to", to, source, target,
+                     env=child_env(cpu_only=True), timeout=300)
+    assert run.returncode == 0, run.stdout
     return run.stdout
 
 

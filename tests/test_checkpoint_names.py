@@ -5,14 +5,11 @@ mappings and head output."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from helpers import ROOT, SEQ, VOCAB, child_env, tiny_config
+from helpers import SEQ, VOCAB, child_env, run_python, tiny_config
 from mhc_megatron.checkpoint.names import SCHEMES, convert_state_dict, format_name, parse_name
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec, get_gpt_mtp_block_with_mhc_spec
 
@@ -131,10 +128,9 @@ def test_cli_converts_files(seeded, tmp_path, suffix):
     save(state, str(src))
     for a, b, frm, to in ((src, mid, "megatron_core", "deepseek"),
                           (mid, back, "deepseek", "megatron_core")):
-        run = subprocess.run([sys.executable, "-m", "mhc_megatron.convert", "--from", frm,
-                              "--to", to, str(a), str(b)], cwd=ROOT, capture_output=True,
-                             text=True, env=child_env(cpu_only=True), timeout=300)
-        assert run.returncode == 0, run.stdout + run.stderr
+        run = run_python("-m", "mhc_megatron.convert", "--from", frm, "--to", to, a, b,
+                         env=child_env(cpu_only=True), timeout=300)
+        assert run.returncode == 0, run.stdout
         assert "mHC parameters renamed" in run.stdout
     assert any(k.startswith("hc_head_") for k in load(str(mid)))
     restored = load(str(back))

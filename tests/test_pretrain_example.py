@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import (LOCAL_MODULE_FLAGS, MHC_FLAGS, PRETRAIN_DEVICES, PRETRAIN_ITERS,
                      TINY_GPT_FLAGS, PretrainRun, SavedAtIteration3, assert_close, child_env,
-                     finish, last_error_line, needs_2_gpus, needs_4_gpus, needs_fused_adam,
-                     needs_gpu, needs_te_norms, pretrain, pretrain_cmd, run_child, shared_run,
-                     start, write_pretrain_corpus)
+                     last_error_line, needs_2_gpus, needs_4_gpus, needs_fused_adam, needs_gpu,
+                     needs_te_norms, pretrain, pretrain_cmd, run_python, shared_run, start_python,
+                     write_pretrain_corpus)
 
 GOLDEN_DIR = Path(os.environ.get("MHC_GOLDEN_DIR", Path(__file__).resolve().parent / "golden"))
 ITERS = PRETRAIN_ITERS
@@ -349,21 +348,24 @@ def test_bad_flags_stop_every_rank_with_the_config_error(corpus, flags, field):
     """The config is built right after Megatron parses the flags, before any process group
     exists, so every rank raises the config's refusal on its own: no rank waits for another.
     The two ranks are started as torchrun would (RANK, WORLD_SIZE, ...) but without its agent,
-    which would stop the slower rank as soon as the first one fails."""
+    which would stop the slower rank as soon as the first one fails: two processes of their
+    own (``helpers.start_python``)."""
     flags = ["--enable-hyper-connections", *flags]
-    procs = [start([sys.executable, *_example_cmd(corpus, flags, "cpu")],
-                   child_env(cpu_only=True, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                             MASTER_ADDR="127.0.0.1", MASTER_PORT="29571"))
+    procs = [start_python(*_example_cmd(corpus, flags, "cpu"),
+                          env=child_env(cpu_only=True, RANK=str(r), LOCAL_RANK=str(r),
+                                        WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                        MASTER_PORT="29571"))
              for r in (0, 1)]
     for rank, proc in enumerate(procs):
-        out = finish(proc, timeout=300)
-        assert proc.returncode != 0, out[-3000:]
-        assert re.search(rf"ValueError: mHC config: [^\n]*{field}[^\n]*Fix: ", out), \
-            f"rank {rank}:\n{out[-3000:]}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node=2", *_example_cmd(corpus, flags, "cpu")]
-    run = Run(run_child(torchrun, child_env(cpu_only=True), 300))  # and under torchrun:
-    assert run.returncode != 0 and "ValueError: mHC config: " in run.out  # a clean stop
+        run = proc.wait(timeout=300)
+        assert run.returncode != 0, run.stdout[-3000:]
+        assert re.search(rf"ValueError: mHC config: [^\n]*{field}[^\n]*Fix: ", run.stdout), \
+            f"rank {rank}:\n{run.stdout[-3000:]}"
+    # and under torchrun (its agent from start_python, its ranks new interpreters): a clean stop
+    run = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                     *_example_cmd(corpus, flags, "cpu"), env=child_env(cpu_only=True),
+                     timeout=300)
+    assert run.returncode != 0 and "ValueError: mHC config: " in run.stdout
 
 
 def test_multi_token_prediction_trains(corpus, mhc_run):

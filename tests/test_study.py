@@ -6,13 +6,14 @@ import json
 import sys
 
 import pytest
-from helpers import ROOT, child_env, run_child
+from helpers import ROOT, child_env, run_python
 
 STUDY = ROOT / "examples" / "mhc_study.py"
 
 
 def _run(*args, timeout=600):
-    return run_child([sys.executable, str(STUDY), *args], child_env(cpu_only=True), timeout)
+    """The study on CPU (``helpers.run_python``): exit code and output."""
+    return run_python(STUDY, *args, env=child_env(cpu_only=True), timeout=timeout)
 
 
 def test_smoke_study_records_diagnostics_and_reports(tmp_path):

@@ -23,7 +23,10 @@ reads one JSON request a line on stdin, ``{"id", "nproc", "argv": [SCRIPT, ARGS.
 file ``out``, the environment ``env``), answering ``STARTED id pid`` (``kill -- -pid`` stops
 it), then ``DONE id exit-code``; ``REFUSED id reason`` for an ``env`` that differs from the
 server's own in a variable the server was started with (the preloaded modules read their
-environment at import). At the end of its input it stops what still runs and exits.
+environment at import). At the end of its input it stops what still runs and exits. A
+request with ``"plain": true`` is one process instead of ranks (``helpers.run_python``): no
+torchrun variables but those ``env`` has, and ``argv`` as ``python`` takes it, ``[SCRIPT,
+ARGS...]`` or ``["-m", MODULE, ARGS...]``.
 
 The tests use it on hosts without CUDA and without Transformer Engine only
 (``helpers.FORK_RANKS``): CUDA must not be initialised before a fork, and the multi-rank
@@ -50,13 +53,24 @@ def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> Non
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    _run_main([script, *args])
+
+
+def _run_main(argv: list[str]) -> None:
+    """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as ``__main__``, as ``python``
+    would, then end with its exit code."""
     import runpy
 
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":
+            sys.argv = argv[1:]  # run_module puts the module's file first, as python -m does
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
         code = stop.code
     except BaseException:  # noqa: BLE001  (what the interpreter prints, then exit code 1)
@@ -119,6 +133,8 @@ def _start(request: dict, server_env: dict) -> int | str:
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             os.environ.clear()
             os.environ.update(env)
+            if request.get("plain"):
+                _run_main(request["argv"])  # does not return
             script, *args = request["argv"]
             code = _launch(int(request["nproc"]), script, args)
         except BaseException:  # noqa: BLE001
