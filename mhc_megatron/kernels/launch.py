@@ -269,6 +269,8 @@ def _report(launcher, entry, grid, args) -> None:
     recorder = _recorders.get(threading.get_ident())
     if recorder is not None:
         recorder.launch(launcher, entry, grid, args)
+
+
 # id(cache entry) -> the compiled kernel it launches (entries live as long as the process).
 _KERNELS: dict = {}
 
