@@ -142,23 +142,21 @@ class _CombinePlan(LaunchPlan):
                                   num_warps=warps)
 
 
-def _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast, h_next=None,
+def _launch_combine(p, sig, x, dims, f, f_bias, h_res, h_post, out, h_next=None,
                     y=None) -> None:
     """``out = H_res x + H_post (f + f_bias)`` for ``x`` of token dims ``dims = (T, n, C)``
     (:func:`~mhc_megatron.kernels.reference.token_dims`) as
-    :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it (``bcast``), fp32
-    mappings (T > 0); with ``h_next`` also the next pre's aggregate of ``out`` into ``y``
-    (``HAS_AGG``). The one launch of the combine's forward, shared by the autograd op and the
-    recompute's fused replay: the same tiles, so the same ``out``."""
-    T, n, C = dims
-    p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
+    :func:`~mhc_megatron.kernels.triton_common.streams_operand` returns it, fp32 mappings
+    (T > 0); with ``h_next`` also the next pre's aggregate of ``out`` into ``y``
+    (``HAS_AGG``). ``p`` is the call's ``_CombinePlan`` and ``sig`` its signature of ``(x, f,
+    f_bias or f, h_res, h_post[, h_next])``. The one launch of the combine's forward, shared by
+    the autograd op and the recompute's fused replay: the same tiles, so the same ``out``."""
+    T, _, C = dims
     fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
     if h_next is None:  # HAS_AGG off: h_next / y unread
-        sig = signature(x, f, fb, h_res, h_post)
         _FWD.signed(p, sig, p.fwd_grid, p.fwd_meta, x, f, fb, h_res, h_post, out, h_post, f, T,
                     C)
     else:
-        sig = signature(x, f, fb, h_res, h_post, h_next)
         _FWD.signed(p, sig, p.fwd_grid, p.fwd_agg_meta, x, f, fb, h_res, h_post, out, h_next, y,
                     T, C)
 
@@ -178,16 +176,17 @@ def _combine_forward(x, f, f_bias, h_res, h_post, n_streams):
         fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
         inputs = (x, f, fb, h_res, h_post)
         sig = signature(*inputs)
-        (out,) = host_replay.run(p, (sig, "forward", x.shape), inputs, (), lambda: _combine_forward_kernels(
-            x, dims, f, f_bias, h_res, h_post, bcast))
+        (out,) = host_replay.run(p, (sig, "forward", x.shape), inputs, (),
+                                 lambda: _combine_forward_kernels(p, sig, x, dims, f, f_bias,
+                                                                  h_res, h_post))
     return out, (x, f, f_bias, h_res, h_post), bcast, dims
 
 
-def _combine_forward_kernels(x, dims, f, f_bias, h_res, h_post, bcast) -> tuple:
+def _combine_forward_kernels(p, sig, x, dims, f, f_bias, h_res, h_post) -> tuple:
     """The combine forward's allocation and launch (T > 0), as :func:`host_replay.run
     <mhc_megatron.kernels.host_replay.run>` takes them: ``((out,), ())``."""
     out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
-    _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast)
+    _launch_combine(p, sig, x, dims, f, f_bias, h_res, h_post, out)
     return (out,), ()
 
 
@@ -295,5 +294,7 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
     out = x.new_empty(x.shape)
     y = torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
     if T > 0:
-        _launch_combine(x, dims, f, f_bias, h_res, h_post, out, bcast, h_pre, y)
+        p = plan(_CombinePlan, T, n_streams, C, f_bias is not None, bcast)
+        sig = signature(x, f, f_bias if f_bias is not None else f, h_res, h_post, h_pre)
+        _launch_combine(p, sig, x, dims, f, f_bias, h_res, h_post, out, h_pre, y)
     return out, y
