@@ -60,7 +60,7 @@ def fake_extension(monkeypatch):
 
 def _interpret(recipe, inputs, scratch, allocated):
     """The arguments each launch of ``recipe`` passes, as the C++ replay forms them."""
-    _, _, sizes, dtypes, returned, geometry, kinds, values = recipe
+    _, _, sizes, dtypes, group, offset, group_bytes, returned, geometry, kinds, values = recipe
     out = []
     for k_list, v_list in zip(kinds, values):
         args = []
@@ -89,9 +89,11 @@ def test_recording_resolves_every_parameter(fake_extension, monkeypatch):
         launch._report(launcher, entry, (1,), (out, w, part, out, tmp, 1, 0.5, 7))
     recipe = recorder.register((out,), (tmp,), device=0)
     assert recipe is not None and recipe.rid == 0
-    n_in, n_scratch, sizes, dtypes, returned, geometry, kinds, values = fake_extension.recipes[0]
+    (n_in, n_scratch, sizes, dtypes, group, offset, group_bytes, returned, geometry, kinds,
+     values) = fake_extension.recipes[0]
     assert (n_in, n_scratch) == (2, 1)
     assert sizes == [[6, 4], [2, 3]] and dtypes == [15, 6] and returned == [0]
+    assert group == [-1, -1] and group_bytes == []  # each its own allocation
     assert geometry == [[0xABC, 3, 2, 1, 128, 1024], [0xABC, 1, 1, 1, 128, 1024]]
     # 8 runtime arguments (BLOCK is compiled in) and triton 3.6's two scratch pointers
     assert all(len(k) == 10 and k[-2:] == [host_replay.NULLPTR] * 2 for k in kinds)
@@ -107,6 +109,22 @@ def test_recording_resolves_every_parameter(fake_extension, monkeypatch):
                       tmp2.data_ptr(), 6, f32, 2**40, 0, 0]
     assert got[1] == [out2.data_ptr(), w2.data_ptr(), part2.data_ptr(), out2.data_ptr(),
                       tmp2.data_ptr(), 1, 0.5, 7, 0, 0]
+
+
+def test_shared_tensors_get_aligned_offsets_in_one_allocation(fake_extension, monkeypatch):
+    """``shared`` returned tensors: one allocation, each at a 256-byte aligned offset that
+    holds it whole; the others keep allocations of their own."""
+    launcher, entry = _stand_in_launch(monkeypatch, ("a", "b", "c", "d"),
+                                       {"a": "*fp32", "b": "*fp32", "c": "*bf16", "d": "*fp32"})
+    a, b = torch.empty(5, 4), torch.empty(3)  # 80 and 12 bytes
+    c, d = torch.empty(7, dtype=torch.bfloat16), torch.empty(100)  # 14 and 400 bytes
+    recorder = host_replay._Recorder((), ())
+    with recorder.active():
+        launch._report(launcher, entry, (1,), (a, b, c, d))
+    assert recorder.register((c, a, b, d), (), device=0, shared=(1, 2, 3)) is not None
+    _, _, sizes, _, group, offset, group_bytes, returned, *_ = fake_extension.recipes[0]
+    assert returned == [0, 1, 2, 3] and sizes == [[7], [5, 4], [3], [100]]
+    assert group == [-1, 0, 0, 0] and offset == [0, 0, 256, 512] and group_bytes == [1024]
 
 
 @pytest.mark.parametrize("case", ["undeclared tensor", "triton's launcher", "returned input",
@@ -273,6 +291,69 @@ def test_replay_equals_the_python_path(monkeypatch, variant):
     recipes = [r for p in PLANS.values() for r in getattr(p, "recipes", {}).values()]
     # pre forward, pre backward, combine forward, combine backward: all replayed
     assert len(recipes) == 4 and all(isinstance(r, host_replay.Recipe) for r in recipes), recipes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["streams", "broadcast"])
+def test_the_recompute_replays_equal_the_python_path(monkeypatch, layout):
+    """mhc_recompute's two ops (the aggregate alone, and a combine fused with the next
+    aggregate), replayed: the same bits as on the Python path, and their recipes registered."""
+    _replay_or_skip()
+    from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.kernels.triton_common import PLANS
+    from mhc_megatron.layers.streams import broadcast_streams
+
+    T, C, n = 53, 80, 4
+
+    def ops(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        h = torch.randn(T, 1, C, device="cuda", dtype=torch.bfloat16, generator=g)
+        x, n_arg = ((broadcast_streams(h, n).view(T, n, C), None) if layout == "broadcast"
+                    else (torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16,
+                                      generator=g), n))
+        f = torch.randn(T, C, device="cuda", dtype=torch.bfloat16, generator=g)
+        h_pre, h_post = (torch.rand(T, n, device="cuda", generator=g) for _ in range(2))
+        h_res = torch.rand(T, n, n, device="cuda", generator=g)
+        with torch.no_grad():
+            y = triton_mhc.aggregate(x, h_pre, n=n_arg)
+            out, y_next = triton_mhc.combine_aggregate(x, f, None, h_res, h_post, h_pre, n=n_arg)
+        return [t.clone() for t in (y, out, y_next)]
+
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    want = [ops(0), ops(1)]
+    monkeypatch.setattr(host_replay, "_ENABLED", True)
+    PLANS.clear()
+    got = [ops(0), ops(0), ops(1)]  # records, then replays
+    for w, g in zip([want[0], want[0], want[1]], got):
+        assert all(torch.equal(a, b) for a, b in zip(w, g))
+    recipes = [r for p in PLANS.values() for r in getattr(p, "recipes", {}).values()]
+    assert len(recipes) == 2 and all(isinstance(r, host_replay.Recipe) for r in recipes)
+
+
+@pytest.mark.gpu
+def test_replayed_mappings_share_one_allocation():
+    """pre's fp32 outputs replayed share one allocation and are tensors of their own (no view
+    of each other), at offsets that do not overlap; the y they come with has its own."""
+    _replay_or_skip()
+    from mhc_megatron.kernels import triton_mhc
+
+    T, C, n = 40, 64, 4
+    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    phi = (0.02 * torch.randn(2 * n + n * n, n * C, device="cuda")).requires_grad_()
+    alpha = torch.full((3,), 0.3, device="cuda", requires_grad=True)
+    bias = torch.zeros(2 * n + n * n, device="cuda", requires_grad=True)
+    for _ in range(3):  # records, then replays
+        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+        out = triton_mhc.combine(x, y, None, h_res, h_post, n=n)
+    maps = (h_pre, h_post, h_res)
+    base = h_pre.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base and t._base is None for t in maps)
+    assert y.untyped_storage().data_ptr() != base
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in maps)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(t.data_ptr() % 256 == 0 and t.is_contiguous() for t in maps)
+    out.float().sum().backward()  # the grads flow as from separate allocations
+    assert all(torch.isfinite(t.grad).all() for t in (x, phi, alpha, bias))
 
 
 @pytest.mark.gpu

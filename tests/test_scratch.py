@@ -81,9 +81,11 @@ def _poison_reused_sets():
     """NaN into every reused temporary: a kernel that read an element its op did not write
     first would carry it into the results."""
     for entry in triton_common.PLANS.values():
-        for tensors in getattr(getattr(entry, "scratch", None), "_sets", {}).values():
-            for t in tensors:
-                t.fill_(float("nan"))
+        sets = [getattr(entry, "scratch", None), *getattr(entry, "_history", {}).values()]
+        for scratch in sets:  # (pre backward's Sinkhorn history: a set per iteration count)
+            for tensors in getattr(scratch, "_sets", {}).values():
+                for t in tensors:
+                    t.fill_(float("nan"))
 
 
 @pytest.mark.parametrize("shape", [(13, 4, 24), (70, 4, 300), (40, 8, 40)],
@@ -104,3 +106,5 @@ def test_reused_temporaries_carry_nothing_over(monkeypatch, shape):
             assert torch.equal(want, got)
     assert any(getattr(getattr(p, "scratch", None), "_sets", None)
                for p in triton_common.PLANS.values())  # the sets were reused
+    assert any(s._sets for p in triton_common.PLANS.values()
+               for s in getattr(p, "_history", {}).values())  # the history's too

@@ -11,7 +11,9 @@ arguments, each tensor argument resolved to one of the call's inputs, its reused
 tensors (:class:`~mhc_megatron.kernels.triton_common.Scratch`) or the tensors it allocated.
 Later calls hand the recipe to a small C++ extension (``csrc/host_replay.cpp``), which
 allocates the tensors with ``at::empty`` and launches the kernels with the driver's
-``cuLaunchKernel``: the same kernels on the same arguments, so the same bits.
+``cuLaunchKernel``: the same kernels on the same arguments, so the same bits. Small returned
+tensors that an op names as living and dying together (``shared``) take one allocation
+there, each a tensor of its own at an aligned offset.
 
 What a recipe bakes in must be fixed by its key: the op passes the plan (token count, n, C,
 tiles, flags) and a key of everything else its launches and allocations depend on (the
@@ -63,6 +65,9 @@ _TYPES = {"i1": I32, "i8": I32, "i16": I32, "i32": I32, "u1": I32, "u8": I32, "u
 _DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
                 torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11,
                 torch.bfloat16: 15}
+
+_SHARED_ALIGN = 256  # bytes: the offsets of tensors sharing an allocation (Triton's kernels
+# were specialised on 16-byte aligned pointers; 256 as the allocator's own blocks)
 
 _ENABLED = os.environ.get("MHC_HOST_REPLAY", "1") != "0"
 _extension = None  # the built module, once loaded
@@ -134,14 +139,17 @@ class Recipe:
 
 
 def run(plan, key, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor],
-        python: Callable[[], tuple]) -> tuple:
+        python: Callable[[], tuple], shared: tuple[int, ...] = ()) -> tuple:
     """The kernels' part of one op call: ``python()`` (which allocates, launches and returns
     ``(returned, temporaries)``: the tensors the call hands back and those it allocated only
     for its kernels) or its replay. ``plan`` is the call's launch plan and ``key`` everything
     else its launches depend on (see the module docstring; its first element is the call's
     :func:`~mhc_megatron.kernels.launch.signature`, None where launches are not signed).
     ``inputs`` and ``scratch`` are the tensors the kernels take that the call did not
-    allocate. Returns ``returned``."""
+    allocate. ``shared``: the indices in ``returned`` of small tensors that live as long as
+    each other (a mapping's fp32 tensors, saved together and freed together), which the
+    replay places in one allocation (each its own tensor at a 256-byte aligned offset, no
+    view of another) instead of one each. Returns ``returned``."""
     recipe = plan.recipes.get(key)  # a Recipe, False (not replayable) or None (not recorded)
     if recipe and _ENABLED:
         return recipe.run(inputs, scratch)
@@ -150,7 +158,7 @@ def run(plan, key, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tenso
         recorder = _Recorder(inputs, scratch)
         with recorder.active():
             returned, temporaries = python()
-        plan.recipes[key] = recorder.register(returned, temporaries, key[0][0]) or False
+        plan.recipes[key] = recorder.register(returned, temporaries, key[0][0], shared) or False
         return returned
     return python()[0]
 
@@ -183,14 +191,14 @@ class _Recorder:
         else:
             self.launches.append((launcher, entry, grid, args))
 
-    def register(self, returned, temporaries, device) -> Recipe | None:
+    def register(self, returned, temporaries, device, shared=()) -> Recipe | None:
         try:
-            return self._register(returned, temporaries, device)
+            return self._register(returned, temporaries, device, shared)
         except _NotReplayable as why:
             log_rank0(logger, logging.DEBUG, "mHC: an op call is not replayed (%s)", why)
             return None
 
-    def _register(self, returned, temporaries, device) -> Recipe:
+    def _register(self, returned, temporaries, device, shared) -> Recipe:
         if self.failed is not None:
             raise _NotReplayable(self.failed)
         if not self.launches:
@@ -250,8 +258,18 @@ class _Recorder:
             kinds.append(k)
             values.append(v)
         returned_slots = [slots[t.data_ptr()] for t in returned]
-        rid = _extension.add_recipe(len(self.inputs), len(self.scratch), sizes, dtypes,
-                                    returned_slots, geometry, kinds, values)
+        group, offset, group_bytes = [-1] * len(sizes), [0] * len(sizes), []
+        if shared:
+            end = 0
+            for i in shared:
+                t, at = returned[i], returned_slots[i]
+                if group[at] == 0:
+                    raise _NotReplayable("a shared tensor named twice")
+                group[at], offset[at] = 0, end
+                end += -(-t.numel() * t.element_size() // _SHARED_ALIGN) * _SHARED_ALIGN
+            group_bytes.append(max(end, _SHARED_ALIGN))
+        rid = _extension.add_recipe(len(self.inputs), len(self.scratch), sizes, dtypes, group,
+                                    offset, group_bytes, returned_slots, geometry, kinds, values)
         return Recipe(rid, device)
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from mhc_megatron.kernels import host_replay
+from mhc_megatron.kernels.autograd_apply import applier
 from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2, signature
 from mhc_megatron.kernels.reference import aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
@@ -216,9 +217,11 @@ class _CombineFn(torch.autograd.Function):
             fb = f_bias if f_bias is not None else f
             inputs = (g, x, f, fb, h_res, h_post)
             sig = signature(*inputs)
+            # (dh_res and dh_post, fp32, small, both for pre's backward: one allocation)
             grads = host_replay.run(p, (sig, "backward", fold, x.shape, f.shape), inputs, (),
                                     lambda: _combine_backward_kernels(p, sig, inputs, fold,
-                                                                      ctx.dims))
+                                                                      ctx.dims),
+                                    shared=(1, 2) if fold else (2, 3))
             dx, df, dh_res, dh_post = (None, *grads) if fold else grads
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
@@ -234,6 +237,9 @@ class _CombineFn(torch.autograd.Function):
         if post_dtype != torch.float32:
             dh_post = dh_post.to(post_dtype)
         return dx, df, dbias, dh_res, dh_post, None, None
+
+
+_apply_combine = applier(_CombineFn, tensor_positions=(0, 1, 2, 3, 4))
 
 
 def _combine_backward_outputs(x, f, fold, dims) -> tuple:
@@ -273,7 +279,7 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not link.claim(x):
         link = None
-    return _CombineFn.apply(x, f, f_bias, h_res, h_post, link, n)
+    return _apply_combine(x, f, f_bias, h_res, h_post, link, n)
 
 
 def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
@@ -291,10 +297,25 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
     T, n_streams, C = dims = token_dims(x, n)
     _check(x, n_streams)
     h_res, h_post, h_pre = contiguous_f32(h_res), contiguous_f32(h_post), contiguous_f32(h_pre)
-    out = x.new_empty(x.shape)
-    y = torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
-    if T > 0:
-        p = plan(_CombinePlan, T, n_streams, C, f_bias is not None, bcast)
-        sig = signature(x, f, f_bias if f_bias is not None else f, h_res, h_post, h_pre)
-        _launch_combine(p, sig, x, dims, f, f_bias, h_res, h_post, out, h_pre, y)
-    return out, y
+    if T == 0:
+        return _combine_aggregate_outputs(x, n, C)
+    p = plan(_CombinePlan, T, n_streams, C, f_bias is not None, bcast)
+    inputs = (x, f, f_bias if f_bias is not None else f, h_res, h_post, h_pre)
+    sig = signature(*inputs)
+    return host_replay.run(p, (sig, "forward and aggregate", x.shape), inputs, (),
+                           lambda: _combine_aggregate_kernels(p, sig, x, dims, f, f_bias, h_res,
+                                                              h_post, h_pre, n))
+
+
+def _combine_aggregate_outputs(x, n, C) -> tuple:
+    """``(x', y)`` of :func:`combine_aggregate`, uninitialised."""
+    out = x.new_empty(x.shape)  # contiguous, also for a broadcast x
+    return out, torch.empty(aggregate_shape(out, n, C), device=x.device, dtype=x.dtype)
+
+
+def _combine_aggregate_kernels(p, sig, x, dims, f, f_bias, h_res, h_post, h_pre, n) -> tuple:
+    """:func:`combine_aggregate`'s allocations and launch (T > 0), as :func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>` takes them: ``((x', y), ())``."""
+    out, y = _combine_aggregate_outputs(x, n, dims[2])
+    _launch_combine(p, sig, x, dims, f, f_bias, h_res, h_post, out, h_pre, y)
+    return (out, y), ()

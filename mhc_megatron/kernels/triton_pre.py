@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from mhc_megatron.kernels import host_replay
+from mhc_megatron.kernels.autograd_apply import applier
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import signature, signature_with_alignment
 from mhc_megatron.kernels.reference import PAPER, aggregate_shape, token_dims
@@ -48,6 +49,7 @@ from mhc_megatron.kernels.triton_pre_bwd import (
 from mhc_megatron.kernels.triton_pre_fwd import (
     _MAPS_FWD,
     _PROJ,
+    _AggregatePlan,
     _launch_aggregate,
     _PreForwardPlan,
 )
@@ -74,8 +76,14 @@ def _pre_forward(x, phi, alpha, bias, iters, eps, n_streams, form):
         y, h_pre, h_post, h_res, ht, rstd = host_replay.run(
             p, (sig, float(eps), float(form.eps), x.shape), (x, phi, alpha, bias), scratch,
             lambda: _pre_forward_kernels(p, sig, scratch, x, phi, alpha, bias, iters, eps, form,
-                                         n_streams, dims, bcast))
+                                         n_streams, dims, bcast),
+            shared=_PRE_FP32_OUTPUTS)
     return (y, h_pre, h_post, h_res), (x, phi, alpha, bias, ht, rstd), bcast, dims
+
+
+# pre forward's fp32 outputs (h_pre, h_post, h_res, ht, rstd): small, saved together and freed
+# together (by the combine's backward and pre's), so the replay allocates them as one
+_PRE_FP32_OUTPUTS = (1, 2, 3, 4, 5)
 
 
 def _pre_forward_outputs(x, n_streams, dims) -> tuple:
@@ -153,7 +161,7 @@ class _PreFn(torch.autograd.Function):
                   *((g_combine, h_res_combine) if fold else ()), *(main_grads or ()))
         sig = signature(*inputs[:11 + 2 * fold], extra=(ctx.iters,))
         grads_sig = sig if main_grads is None else signature_with_alignment(*main_grads)
-        scratch = p.scratch.tensors(dev)
+        scratch = (*p.scratch.tensors(dev), *p.sinkhorn_history(ctx.iters).tensors(dev))
         # (the launches' other scalars: the Sinkhorn iterations, in sig, and the form's eps;
         # x's shape: dx's)
         dx, dphi, dalpha, dbias = host_replay.run(
@@ -166,11 +174,14 @@ class _PreFn(torch.autograd.Function):
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
 
 
+_apply_pre = applier(_PreFn, tensor_positions=(0, 1, 2, 3))
+
+
 def _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads, iters,
                           form_eps, dims) -> tuple:
     """pre backward's allocations and launches (T > 0), as :func:`host_replay.run
     <mhc_megatron.kernels.host_replay.run>` takes them: ``((dx, dphi, dalpha, dbias),
-    (hist,))``. With ``main_grads`` the parameter gradients are added to those buffers and
+    ())``. With ``main_grads`` the parameter gradients are added to those buffers and
     what autograd gets for phi, alpha and bias is unread."""
     x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi = inputs[:11]
     T, n, C = dims
@@ -180,8 +191,7 @@ def _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads, 
     dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
     dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
     dx = x.new_empty(x.shape)  # contiguous, also for a broadcast x
-    dp, coef, dphi_part, red_part, part = scratch  # dp: every column written
-    hist = torch.empty(max(iters, 1), T, n * n, device=dev, dtype=f32)
+    dp, coef, dphi_part, red_part, part, hist = scratch  # dp: every column written
     _DHPRE.signed(p, sig, p.dh_grid, p.dh_meta, x, dy, part, T, C, p.dh_per)
     _MAPS_BWD.signed(p, sig, (p.map_programs,), p.map_meta, part, p.dh_splits, dh_pre,
                      dh_post, dh_res, ht, rstd, alpha, bias, red_part, dp, coef, hist, T, p.K,
@@ -195,7 +205,7 @@ def _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads, 
         grads_meta, grads_out = p.accumulate_meta(phi.dtype), (phi_main, bias_main, alpha_main)
     _PARAM_GRADS.signed(p, grads_sig, p.grads_grid, grads_meta, dphi_part, red_part,
                         *grads_out, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
-    return (dx, dphi, dalpha, dbias), (hist,)
+    return (dx, dphi, dalpha, dbias), ()
 
 
 def _main_grads(params, needs_grad) -> tuple | None:
@@ -239,8 +249,7 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER, main_
     if not records_autograd(x, phi, alpha, bias):
         return _pre_forward(x, phi, alpha, bias, sinkhorn_iterations, eps, n, form)[0]
     link = DxLink(x) if x.requires_grad else None
-    outs = _PreFn.apply(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form,
-                        main_grads)
+    outs = _apply_pre(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form, main_grads)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs
@@ -256,8 +265,20 @@ def aggregate(x, h_pre, n=None):
     if records_autograd(x, h_pre):
         raise RuntimeError("triton_mhc.aggregate has no backward: it is the recompute's replay "
                            "of pre's aggregate. Fix: call it under torch.no_grad(), or use pre.")
-    y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
-    if T > 0:
-        h_pre = contiguous_f32(h_pre)
-        _launch_aggregate(x, dims, h_pre, y, bcast, signature(x, h_pre))
+    if T == 0:
+        return torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
+    h_pre = contiguous_f32(h_pre)
+    sig = signature(x, h_pre)
+    # (the aggregate's own plan; x's shape: y's)
+    (y,) = host_replay.run(plan(_AggregatePlan, T, n_streams, C, bcast), (sig, x.shape),
+                           (x, h_pre), (),
+                           lambda: _aggregate_kernels(x, dims, h_pre, bcast, sig, n, C))
     return y
+
+
+def _aggregate_kernels(x, dims, h_pre, bcast, sig, n, C) -> tuple:
+    """The aggregate's allocation and launch (T > 0), as :func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>` takes them: ``((y,), ())``."""
+    y = torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
+    _launch_aggregate(x, dims, h_pre, y, bcast, sig)
+    return (y,), ()

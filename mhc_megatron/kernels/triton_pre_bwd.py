@@ -330,6 +330,7 @@ class _PreBackwardPlan(_BackwardShapes):
         map_bt, map_warps = TILES.maps
         self._shapes(T, n, C, 2 * n + n * n, _padded_m(n), max(cdiv(T, map_bt), 1), dtype,
                      forced, has_g, bcast, 3)
+        self.history_shape = (T, n * n)  # (the Sinkhorn history's rows, per iteration)
         self.map_meta = Meta(HAS_DHPRE=has_dhpre, N=n, MP=self.mp, BT=map_bt, DSV4=dsv4,
                              TRANSPOSED=transposed, num_warps=map_warps)
         # temporaries: dP [T, mp] and its coefficient [T], the dphi partials, the mappings'
@@ -338,6 +339,17 @@ class _PreBackwardPlan(_BackwardShapes):
         self.scratch = Scratch(((T, self.mp), f32), ((T,), f32),
                                ((self.dx_splits, self.mp, self.K), f32),
                                ((self.map_programs, self.mp), f32), ((self.dh_splits, T, n), f32))
+        self._history: dict = {}
+
+    def sinkhorn_history(self, iters: int) -> Scratch:
+        """The mappings backward's Sinkhorn history ``hist [iters, T, n*n]`` (fp32; each
+        program writes and reads back its own tokens' rows) as a reused temporary, one set
+        per iteration count."""
+        found = self._history.get(iters)
+        if found is None:
+            found = self._history[iters] = Scratch(
+                ((max(iters, 1), *self.history_shape), torch.float32))
+        return found
 
 
 def _launch_dx_dphi(p: _BackwardShapes, sig: tuple | None, *args) -> None:

@@ -41,6 +41,10 @@ struct Recipe {
   int64_t inputs, scratch;
   std::vector<std::vector<int64_t>> sizes;  // the allocated tensors, contiguous
   std::vector<at::ScalarType> dtypes;
+  // Where each allocated tensor lives: its own allocation (group -1), or a byte offset into a
+  // shared one (several small tensors of one lifetime: one allocation instead of several)
+  std::vector<int64_t> group, offset;
+  std::vector<int64_t> group_bytes;
   std::vector<int64_t> returned;  // which allocated tensors run() returns, in order
   std::vector<Launch> launches;
 };
@@ -53,16 +57,33 @@ std::vector<Recipe>& recipes() {
 }  // namespace
 
 int64_t add_recipe(int64_t inputs, int64_t scratch, std::vector<std::vector<int64_t>> sizes,
-                   std::vector<int64_t> dtypes, std::vector<int64_t> returned,
+                   std::vector<int64_t> dtypes, std::vector<int64_t> group,
+                   std::vector<int64_t> offset, std::vector<int64_t> group_bytes,
+                   std::vector<int64_t> returned,
                    std::vector<std::vector<int64_t>> geometry,  // function, grid x/y/z, block, shared
                    std::vector<std::vector<int64_t>> kinds, std::vector<std::vector<int64_t>> values) {
-  TORCH_CHECK(sizes.size() == dtypes.size() && geometry.size() == kinds.size() &&
+  TORCH_CHECK(sizes.size() == dtypes.size() && sizes.size() == group.size() &&
+              sizes.size() == offset.size() && geometry.size() == kinds.size() &&
               kinds.size() == values.size(), "mHC host replay: inconsistent recipe");
   Recipe r;
   r.inputs = inputs;
   r.scratch = scratch;
   r.sizes = std::move(sizes);
   for (int64_t d : dtypes) r.dtypes.push_back(static_cast<at::ScalarType>(d));
+  for (size_t i = 0; i < group.size(); ++i) {
+    const int64_t g = group[i];
+    TORCH_CHECK(g >= -1 && g < (int64_t)group_bytes.size(), "mHC host replay: bad group");
+    if (g >= 0) {
+      int64_t numel = 1;
+      for (int64_t d : r.sizes[i]) numel *= d;
+      TORCH_CHECK(offset[i] >= 0 && offset[i] % 16 == 0 &&
+                  offset[i] + numel * (int64_t)c10::elementSize(r.dtypes[i]) <= group_bytes[g],
+                  "mHC host replay: a grouped tensor outside its allocation");
+    }
+  }
+  r.group = std::move(group);
+  r.offset = std::move(offset);
+  r.group_bytes = std::move(group_bytes);
   for (int64_t i : returned) TORCH_CHECK(i >= 0 && i < (int64_t)r.sizes.size());
   r.returned = std::move(returned);
   for (size_t i = 0; i < geometry.size(); ++i) {
@@ -98,10 +119,27 @@ std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
   TORCH_CHECK((int64_t)inputs.size() == r.inputs && (int64_t)scratch.size() == r.scratch,
               "mHC host replay: a recipe run with other inputs than it was recorded with");
   const auto options = at::TensorOptions().device(at::kCUDA, device);
+  std::vector<c10::Storage> groups;
+  groups.reserve(r.group_bytes.size());
+  for (int64_t bytes : r.group_bytes) {
+    groups.push_back(at::empty({bytes}, options.dtype(at::kByte)).storage());
+  }
   std::vector<at::Tensor> allocated;
   allocated.reserve(r.sizes.size());
   for (size_t i = 0; i < r.sizes.size(); ++i) {
-    allocated.push_back(at::empty(r.sizes[i], options.dtype(r.dtypes[i])));
+    if (r.group[i] < 0) {
+      allocated.push_back(at::empty(r.sizes[i], options.dtype(r.dtypes[i])));
+      continue;
+    }
+    // a tensor of its own (no view, no autograd history) on the shared allocation, as
+    // at::empty builds one on a fresh allocation
+    auto t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(groups[r.group[i]]), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+        c10::scalarTypeToTypeMeta(r.dtypes[i]));
+    auto* impl = t.unsafeGetTensorImpl();
+    impl->set_sizes_contiguous(r.sizes[i]);
+    impl->set_storage_offset(r.offset[i] / (int64_t)c10::elementSize(r.dtypes[i]));
+    allocated.push_back(std::move(t));
   }
   const LaunchKernel launch = launch_kernel();
   uint64_t slots[kMaxParams];
