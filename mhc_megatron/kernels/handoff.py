@@ -20,7 +20,7 @@ import torch
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)  # (torch.Size and stride(): tuples)
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

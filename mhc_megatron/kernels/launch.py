@@ -100,11 +100,13 @@ def signature(*tensors, extra: tuple = ()) -> tuple | None:
     if _signing_off():
         return None
     address = 0
-    for t in tensors:
+    dtypes = []
+    for t in tensors:  # (one loop: this runs once per op call)
         address |= t.data_ptr()
+        dtypes.append(t.dtype)
     if address & 15:
         return None
-    return (torch._C._cuda_getDevice(), *[t.dtype for t in tensors], *extra)
+    return (torch._C._cuda_getDevice(), *dtypes, *extra)
 
 
 def signature_with_alignment(*tensors) -> tuple | None:
@@ -303,8 +305,14 @@ _DIRECT_C_LAUNCH = ((3, 6),)
 
 def _launch_hooks() -> bool:
     """Whether a launch enter or exit hook is set (see :func:`_hooked`)."""
-    knobs = triton.knobs.runtime
-    return _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook)
+    runtime = _RUNTIME_KNOBS
+    return runtime is not None and (_hooked(runtime.launch_enter_hook)
+                                    or _hooked(runtime.launch_exit_hook))
+
+
+# triton's runtime knobs, where a profiler sets its launch hooks (triton.knobs.runtime: one
+# object for the process, whose hook attributes are read on every call)
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def _hooked(hook) -> bool:

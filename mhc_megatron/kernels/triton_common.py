@@ -369,7 +369,7 @@ class Scratch:
             return self._fresh(device)
         if device.type != "cuda":
             key = device.type
-        elif torch.cuda.is_current_stream_capturing():
+        elif torch._C._cuda_isCurrentStreamCapturing():  # (torch.cuda's, unwrapped)
             return self._fresh(device)
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()

@@ -176,7 +176,10 @@ class HyperConnectionModule(MappingParameters):
                             MHCTransformerConfig.mhc_init_static_mapping),
             getattr(self.config, "mhc_init_res_diagonal", _INIT_H_RES_DIAGONAL)))
 
-    def _check_streams(self, streams: Tensor) -> None:
+    def _op_input(self, streams: Tensor) -> tuple[Tensor, int | None]:
+        """``(x, n)`` as the ops take the streams, checked: ``[s, b, n*C]`` as they are with
+        ``n``; broadcast streams ``[s, b, n, C]`` as tokens ``[s*b, n, C]`` (a view, stream
+        stride 0 kept) with ``n`` None. A ValueError for any other shape."""
         expected = self.n * self.hidden_size
         if is_broadcast_streams(streams):
             if streams.shape[2:] != (self.n, self.hidden_size):
@@ -184,7 +187,8 @@ class HyperConnectionModule(MappingParameters):
                     f"HyperConnectionModule expects broadcast streams [s, b, n, C] = "
                     f"[s, b, {self.n}, {self.hidden_size}], got {tuple(streams.shape)}. Fix: "
                     "build them with mhc_megatron.layers.streams.broadcast_streams(h, n).")
-            return
+            s, b, n, c = streams.shape
+            return streams.view(s * b, n, c), None
         if streams.dim() != 3 or streams.shape[-1] != expected:
             raise ValueError(
                 f"HyperConnectionModule expects residual streams [s, b, n*C] = "
@@ -192,18 +196,10 @@ class HyperConnectionModule(MappingParameters):
                 "Fix: build the model with mhc_megatron's decoder block spec (its first layer "
                 "expands [s, b, C] into n streams and its final norm contracts them)."
             )
+        return streams, self.n
 
     def _ops(self, streams: Tensor):
         return select_ops(self.config.mhc_kernel_backend, streams, self.n, self.mapping)
-
-    def _op_input(self, streams: Tensor) -> tuple[Tensor, int | None]:
-        """``(x, n)`` as the ops take the streams: ``[s, b, n*C]`` as they are with ``n``;
-        broadcast streams ``[s, b, n, C]`` as tokens ``[s*b, n, C]`` (a view, stream stride 0
-        kept) with ``n`` None."""
-        if is_broadcast_streams(streams):
-            s, b, n, c = streams.shape
-            return streams.view(s * b, n, c), None
-        return streams, self.n
 
     def pre(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """``[s, b, n*C]`` -> (sublayer input ``[s, b, C]`` in the streams' dtype, mappings).
@@ -217,9 +213,8 @@ class HyperConnectionModule(MappingParameters):
     def forward(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """:meth:`pre`. The ops take the streams in their layout (``n`` given): no reshape of
         the streams, and so no view node, in the autograd graph."""
-        self._check_streams(streams)
-        ops = self._ops(streams)
         x, n = self._op_input(streams)
+        ops = self._ops(streams)
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
                                           self.config.mhc_sinkhorn_iterations,
                                           self.config.mhc_rms_eps, n=n, form=self.mapping,
@@ -244,7 +239,7 @@ class HyperConnectionModule(MappingParameters):
         ``output_with_bias`` is what Megatron's sublayers return: ``(f, bias or None)``.
         """
         f, f_bias = output_with_bias
-        self._check_streams(streams)
+        x, n = self._op_input(streams)
         if f.shape[:-1] != streams.shape[:2] or f.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"sublayer output {tuple(f.shape)} does not match the streams "
@@ -255,7 +250,6 @@ class HyperConnectionModule(MappingParameters):
         if training and dropout_prob > 0.0:
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
-        x, n = self._op_input(streams)
         if n is None:  # broadcast streams: tokens [s*b, n, C] in (f too), [s, b, n*C] out
             f = f.reshape(-1, self.hidden_size)
         out = run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
