@@ -307,19 +307,25 @@ def build_hybrid_model(config, args):
 class MasterWeightAdamW:
     """AdamW on fp32 master copies of bf16 weights (Megatron's mixed-precision optimiser,
     reduced to one rank): grads are copied up, clipped and applied in fp32, then the bf16
-    weights are refreshed from the masters. ``groups``: AdamW parameter groups (dicts with
-    ``params`` and per-group options such as ``weight_decay``)."""
+    weights are refreshed from the masters. A parameter already in fp32 (mHC's mapping
+    parameters with ``--mhc-params fp32``) is its own master, as in Megatron's optimiser: its
+    gradient is clipped and applied where it is, with no copy either way (the same values).
+    ``groups``: AdamW parameter groups (dicts with ``params`` and per-group options such as
+    ``weight_decay``)."""
 
     def __init__(self, groups: list[dict], clip: float, **adamw):
-        self.params, master_groups = [], []
+        self.params, self.low, master_groups = [], [], []
         for group in groups:
             params = [p for p in group["params"] if p.requires_grad]
             self.params += params
-            master_groups.append({**group, "params": [p.detach().float().clone() for p in params]})
+            masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
+                       for p in params]
+            self.low += [(p, m) for p, m in zip(params, masters) if m is not p]
+            master_groups.append({**group, "params": masters})
         self.master = [m for g in master_groups for m in g["params"]]
-        for m in self.master:  # fp32 gradient buffers, refilled every step
+        for _, m in self.low:  # fp32 gradient buffers of the bf16 weights, refilled every step
             m.grad = torch.zeros_like(m)
-        self.master_grads = [m.grad for m in self.master]
+        self.master_grads = [m.grad for _, m in self.low]
         self.clip = clip
         self.inner = torch.optim.AdamW(master_groups, **adamw)
 
@@ -330,12 +336,15 @@ class MasterWeightAdamW:
     def step(self):
         # one multi-tensor copy each way (the same values as a copy per parameter: exact up,
         # round-to-nearest down), not two launches per parameter
+        low = self.low  # (empty where every parameter is fp32)
         with torch.no_grad():
-            torch._foreach_copy_(self.master_grads, [p.grad for p in self.params])
+            if low:
+                torch._foreach_copy_(self.master_grads, [p.grad for p, _ in low])
         torch.nn.utils.clip_grad_norm_(self.master, self.clip)
         self.inner.step()
         with torch.no_grad():
-            torch._foreach_copy_(self.params, self.master)
+            if low:
+                torch._foreach_copy_([p for p, _ in low], [m for _, m in low])
 
 
 # ---------------------------------------------------------------------------- train

@@ -111,3 +111,35 @@ def test_engine_requirements_name_flashattention_and_einops(monkeypatch):
     assert inference_engines_unavailable().startswith("einops"), inference_engines_unavailable()
     monkeypatch.setattr(attention, "rearrange", lambda *a, **k: None)
     assert inference_engines_unavailable() is None
+
+
+def test_the_demo_optimiser_keeps_fp32_parameters_as_their_own_masters():
+    """MasterWeightAdamW on bf16 and fp32 parameters: the same bits as AdamW on fp32 master
+    copies of every parameter (grads copied up and clipped together, bf16 weights rounded
+    back); an fp32 parameter is updated in place, with no master copy of its own."""
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    import train_gpt_mhc as demo
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [((4, 6), torch.bfloat16), ((6,), torch.float32), ((3, 3), torch.float32),
+              ((5,), torch.bfloat16)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(d)) for s, d in shapes]
+    grads = [[torch.randn(s, generator=g).to(d) for s, d in shapes] for _ in range(3)]
+    reference = [p.detach().float().clone() for p in params]
+    adamw = dict(lr=1e-2, betas=(0.9, 0.95))
+    ref_opt = torch.optim.AdamW([{"params": reference, "weight_decay": 0.1}], **adamw)
+    opt = demo.MasterWeightAdamW([{"params": params, "weight_decay": 0.1}], clip=0.5, **adamw)
+    assert [m is p for m, p in zip(opt.master, params)] == [False, True, True, False]
+    for step in grads:
+        opt.zero_grad()
+        for p, gr in zip(params, step):
+            p.grad = gr.clone()
+        opt.step()
+        for m, gr in zip(reference, step):
+            m.grad = gr.float()
+        torch.nn.utils.clip_grad_norm_(reference, 0.5)
+        ref_opt.step()
+        for p, m in zip(params, reference):
+            assert torch.equal(p.detach(), m.to(p.dtype))
