@@ -40,6 +40,10 @@ so wall time is host time:
   (:mod:`mhc_megatron.kernels.host_replay`) against the Python path, in this process, the two
   alternating: the four ops, 8 sublayers chained through autograd, and the dense model's
   baseline, mHC and mHC + recompute steps (mHC's growth per sublayer in each mode);
+* ``--split``: with the replay on, each op call's host time as a whole, its Python alone (its
+  allocations and launches skipped: the call returns the tensors a captured call returned) and
+  its C++ replay alone (the recorded recipe run with the call's tensors), per op and for
+  sublayers chained through autograd;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -68,8 +72,8 @@ sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
 from bench_e2e import RUNS, _sync, build, emit_report, interleaved_runs, make_step  # noqa: E402
 
-from mhc_megatron.kernels.triton_combine import _CombineFn  # noqa: E402
-from mhc_megatron.kernels.triton_pre import _PreFn  # noqa: E402
+from mhc_megatron.kernels.triton_combine import _apply_combine, _CombineFn  # noqa: E402
+from mhc_megatron.kernels.triton_pre import _apply_pre, _PreFn  # noqa: E402
 
 N, ITERS, EPS = 4, 20, 1e-6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 smoke only
@@ -148,12 +152,112 @@ def op_cases(tokens: int, hidden: int):
     dh_post, dh_res = torch.randn_like(h_post), torch.randn_like(h_res)
     return [
         ("pre forward (autograd apply)",
-         lambda: _PreFn.apply(x, phi, alpha, bias, ITERS, EPS, None)),
+         lambda: _apply_pre(x, phi, alpha, bias, ITERS, EPS, None)),
         ("pre backward", lambda: _PreFn.backward(pre_ctx, dy, None, dh_post, dh_res)),
         ("combine forward (autograd apply)",
-         lambda: _CombineFn.apply(x, f, None, h_res, h_post, None)),
+         lambda: _apply_combine(x, f, None, h_res, h_post, None)),
         ("combine backward", lambda: _CombineFn.backward(comb_ctx, dout)),
     ]
+
+
+@contextlib.contextmanager
+def replays_stubbed():
+    """While open, the ops' allocations and launches (:func:`host_replay.run
+    <mhc_megatron.kernels.host_replay.run>`) are skipped: each call returns the tensors the
+    same call (plan and key) returned when :func:`replays_captured` saw it, so an op costs
+    only its Python (and its autograd function's). Yields the captured calls."""
+    from mhc_megatron.kernels import host_replay
+
+    captured, real = {}, host_replay.run
+
+    def capture(plan, key, inputs, scratch, python, shared=()):
+        returned = real(plan, key, inputs, scratch, python, shared)
+        captured[id(plan), key] = (plan.recipes.get(key), tuple(inputs), tuple(scratch),
+                                   returned)
+        return returned
+
+    def stub(plan, key, inputs, scratch, python, shared=()):
+        return captured[id(plan), key][3]
+
+    state = SimpleNamespace(captured=captured, capture=capture, stub=stub)
+    try:
+        yield state
+    finally:
+        host_replay.run = real
+
+
+def _stubbed(host_replay, state, stubs, fn) -> None:
+    """``fn()`` with :func:`host_replay.run <mhc_megatron.kernels.host_replay.run>` returning
+    the captured calls' tensors (``stubs``) instead of allocating and launching."""
+    real = host_replay.run
+    state.captured.clear()
+    state.captured.update(stubs)
+    host_replay.run = state.stub
+    try:
+        fn()
+    finally:
+        host_replay.run = real
+
+
+def split_rows(args) -> list[str]:
+    """``--split``: where an op call's host time goes, with the replay on: the whole call, its
+    Python alone (the allocations and launches skipped, :func:`replays_stubbed`) and its C++
+    replay alone (the recorded recipe run with the call's tensors), per op and for
+    ``ENGINE_DEPTH`` sublayers chained through autograd (per sublayer), medians of
+    ``--rounds`` alternating rounds; and the host's own speed: an empty Python call and one
+    ``torch.empty`` of a mapping's size."""
+    from mhc_megatron.kernels import host_replay
+
+    if host_replay.unavailable() is not None:
+        return [f"(no replay here: {host_replay.unavailable()})"]
+    cases = op_cases(args.tokens, args.hidden)
+    cases.append((f"one sublayer through autograd ({ENGINE_DEPTH} chained; per sublayer)",
+                  sublayers_through_engine(args.tokens, args.hidden, ENGINE_DEPTH)))
+    per_call = {name: (ENGINE_DEPTH if name.startswith("one sublayer") else 1)
+                for name, _ in cases}
+    rows = {name: {"whole": [], "Python": [], "replay": []} for name, _ in cases}
+    iters = max(args.iters // args.rounds, 1)
+    with replays_stubbed() as state, gc_paused():
+        real, split = host_replay.run, {}
+        for name, fn in cases:  # warm-up (records), then one call captured
+            for _ in range(WARMUP):
+                fn()
+            state.captured.clear()
+            host_replay.run = state.capture
+            fn()
+            host_replay.run = real
+            stubs = dict(state.captured)
+            replays = [(r, i, sc) for r, i, sc, _ in stubs.values() if r]
+
+            def replay_only(replays=replays):
+                for recipe, inputs, scratch in replays:
+                    recipe.run(inputs, scratch)
+
+            split[name] = {"whole": fn, "replay": replay_only,
+                           "Python": lambda stubs=stubs, fn=fn: _stubbed(host_replay, state,
+                                                                         stubs, fn)}
+        for _ in range(args.rounds):
+            for name, _ in cases:
+                for key, fn in split[name].items():
+                    rows[name][key].append(host_us(fn, iters) / per_call[name])
+    lines = ["| host us, replay on | whole call | its Python (replay skipped) | its C++ replay "
+             "alone |", "|---|---|---|---|"]
+    for name, _ in cases:
+        cells = " | ".join(f"{statistics.median(rows[name][k]):.1f}"
+                           for k in ("whole", "Python", "replay"))
+        lines.append(f"| {name} | {cells} |")
+
+    def nothing():
+        pass
+
+    def one_empty():
+        torch.empty(args.tokens, N * N, device=DEVICE)
+
+    lines.append(f"| the host: an empty Python call / a torch.empty of [{args.tokens}, "
+                 f"{N * N}] fp32 | {host_us(nothing, args.iters):.2f} / "
+                 f"{host_us(one_empty, args.iters):.1f} | | |")
+    print("\n".join(lines), flush=True)
+    return lines
 
 
 def sublayers_through_engine(tokens: int, hidden: int, depth: int):
@@ -691,6 +795,7 @@ def main(argv=None):
     p.add_argument("--launch-ab", action="store_true")
     p.add_argument("--grad-fusion", action="store_true")
     p.add_argument("--replay-ab", action="store_true")
+    p.add_argument("--split", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state
@@ -752,6 +857,9 @@ def main(argv=None):
     if args.replay_ab:
         lines += ["", "The ops' host work replayed from C++ against the Python path "
                   "(alternating rounds)", ""] + replay_ab_rows(args)
+    if args.split:
+        lines += ["", "Each op call's host time: its Python and its C++ replay (alternating "
+                  "rounds)", ""] + split_rows(args)
     if args.grad_fusion:
         lines += ["", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
                   "(alternating rounds)", ""] + grad_fusion_rows(args)

@@ -75,10 +75,12 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     there is no replay from C++ on the interpreter."""
     out = tmp_path / "host.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
-                      "2", "--no-models", "--launch-ab", "--replay-ab", "--rounds", "1",
-                      "--out", str(out), env={"TRITON_INTERPRET": "1"})
+                      "2", "--no-models", "--launch-ab", "--replay-ab", "--split", "--rounds",
+                      "1", "--out", str(out), env={"TRITON_INTERPRET": "1"})
     text, replay = out.read_text().split("replayed from C++ against the Python path")
+    replay, split = replay.split("its Python and its C++ replay")
     assert "(no replay here: TRITON_INTERPRET=1)" in replay, replay
+    assert "(no replay here: TRITON_INTERPRET=1)" in split, split
     table, ab = text.split("Launches by signature against the per-argument key")
     names = [line.split("|")[1].strip() for line in table.splitlines()
              if line.startswith("| pre") or line.startswith("| combine")]
@@ -101,6 +103,19 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
                        "mHC's step over the baseline's, per sublayer, us (min)",
                        "mHC + recompute's step over the baseline's, per sublayer, us (min)"
                        ], ab_rows
+
+
+def test_bench_study_step_on_cpu(tmp_path):
+    """The study step's table (smoke preset on CPU: the plumbing only): baseline, mHC and mHC +
+    recompute, each against the baseline."""
+    out = tmp_path / "study.md"
+    run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
+                      "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                      "--recompute", "--out", str(out))
+    rows = [line.split("|") for line in out.read_text().splitlines()
+            if line.startswith("| baseline") or line.startswith("| mHC")]
+    assert [r[1].strip() for r in rows] == ["baseline", "mHC", "mHC + recompute"], rows
+    assert rows[0][5].strip() == "1.000x" and all(float(r[2]) > 0 for r in rows)
 
 
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
