@@ -163,23 +163,24 @@ def op_cases(tokens: int, hidden: int):
 @contextlib.contextmanager
 def replays_stubbed():
     """While open, the ops' allocations and launches (:func:`host_replay.run
-    <mhc_megatron.kernels.host_replay.run>`) are skipped: each call returns the tensors the
-    same call (plan and key) returned when :func:`replays_captured` saw it, so an op costs
-    only its Python (and its autograd function's). Yields the captured calls."""
+    <mhc_megatron.kernels.host_replay.run>`) are skipped while ``host_replay.run`` is the
+    state's ``stub``: each call returns the tensors the same call (plan and key) returned
+    while it was the state's ``capture``, so an op costs only its Python (and its autograd
+    function's). ``calls``: every captured call's recipe and tensors, in order."""
     from mhc_megatron.kernels import host_replay
 
-    captured, real = {}, host_replay.run
+    captured, calls, real = {}, [], host_replay.run
 
     def capture(plan, key, inputs, scratch, python, shared=()):
         returned = real(plan, key, inputs, scratch, python, shared)
-        captured[id(plan), key] = (plan.recipes.get(key), tuple(inputs), tuple(scratch),
-                                   returned)
+        captured[id(plan), key] = returned
+        calls.append((plan.recipes.get(key), tuple(inputs), tuple(scratch)))
         return returned
 
     def stub(plan, key, inputs, scratch, python, shared=()):
-        return captured[id(plan), key][3]
+        return captured[id(plan), key]
 
-    state = SimpleNamespace(captured=captured, capture=capture, stub=stub)
+    state = SimpleNamespace(captured=captured, calls=calls, capture=capture, stub=stub)
     try:
         yield state
     finally:
@@ -202,7 +203,8 @@ def _stubbed(host_replay, state, stubs, fn) -> None:
 def split_rows(args) -> list[str]:
     """``--split``: where an op call's host time goes, with the replay on: the whole call, its
     Python alone (the allocations and launches skipped, :func:`replays_stubbed`) and its C++
-    replay alone (the recorded recipe run with the call's tensors), per op and for
+    replay alone (the recorded recipes run with the calls' tensors, every call of the case),
+    per op and for
     ``ENGINE_DEPTH`` sublayers chained through autograd (per sublayer), medians of
     ``--rounds`` alternating rounds; and the host's own speed: an empty Python call and one
     ``torch.empty`` of a mapping's size."""
@@ -223,11 +225,12 @@ def split_rows(args) -> list[str]:
             for _ in range(WARMUP):
                 fn()
             state.captured.clear()
+            state.calls.clear()
             host_replay.run = state.capture
             fn()
             host_replay.run = real
             stubs = dict(state.captured)
-            replays = [(r, i, sc) for r, i, sc, _ in stubs.values() if r]
+            replays = [(r, i, sc) for r, i, sc in state.calls if r]
 
             def replay_only(replays=replays):
                 for recipe, inputs, scratch in replays:
