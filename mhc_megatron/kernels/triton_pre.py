@@ -184,9 +184,9 @@ def _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads, 
     ())``. With ``main_grads`` the parameter gradients are added to those buffers and
     what autograd gets for phi, alpha and bias is unread."""
     x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi = inputs[:11]
-    T, n, C = dims
+    T, _, C = dims
     g_combine, h_res_combine = inputs[11:13] if fold else (x, h_pre)  # (unread if no fold)
-    dev, f32 = x.device, torch.float32
+    dev = x.device
     dphi = torch.empty(p.m, p.K, device=dev, dtype=phi.dtype)
     dbias = torch.empty(p.m, device=dev, dtype=bias.dtype)
     dalpha = torch.empty(3, device=dev, dtype=alpha.dtype)
