@@ -160,54 +160,54 @@ def op_cases(tokens: int, hidden: int):
     ]
 
 
-@contextlib.contextmanager
-def replays_stubbed():
-    """While open, the ops' allocations and launches (:func:`host_replay.run
-    <mhc_megatron.kernels.host_replay.run>`) are skipped while ``host_replay.run`` is the
-    state's ``stub``: each call returns the tensors the same call (plan and key) returned
-    while it was the state's ``capture``, so an op costs only its Python (and its autograd
-    function's). ``calls``: every captured call's recipe and tensors, in order."""
+def capture_replays(fn) -> tuple[dict, list]:
+    """Run ``fn()`` with :func:`host_replay.run <mhc_megatron.kernels.host_replay.run>`
+    recording every op call: ``(returned, calls)``, the tensors each (plan, key) returned and
+    every call's recipe and tensors, in order."""
     from mhc_megatron.kernels import host_replay
 
-    captured, calls, real = {}, [], host_replay.run
+    real, returned, calls = host_replay.run, {}, []
 
-    def capture(plan, key, inputs, scratch, python, shared=()):
-        returned = real(plan, key, inputs, scratch, python, shared)
-        captured[id(plan), key] = returned
+    def recording(plan, key, inputs, scratch, python, shared=()):
+        out = returned[id(plan), key] = real(plan, key, inputs, scratch, python, shared)
         calls.append((plan.recipes.get(key), tuple(inputs), tuple(scratch)))
-        return returned
+        return out
 
-    def stub(plan, key, inputs, scratch, python, shared=()):
-        return captured[id(plan), key]
-
-    state = SimpleNamespace(captured=captured, calls=calls, capture=capture, stub=stub)
-    try:
-        yield state
-    finally:
-        host_replay.run = real
-
-
-def _stubbed(host_replay, state, stubs, fn) -> None:
-    """``fn()`` with :func:`host_replay.run <mhc_megatron.kernels.host_replay.run>` returning
-    the captured calls' tensors (``stubs``) instead of allocating and launching."""
-    real = host_replay.run
-    state.captured.clear()
-    state.captured.update(stubs)
-    host_replay.run = state.stub
+    host_replay.run = recording
     try:
         fn()
     finally:
         host_replay.run = real
+    return returned, calls
+
+
+def _with_replays_skipped(fn, returned):
+    """``fn`` as a callable whose op calls skip their allocations and launches: each returns
+    the tensors its (plan, key) returned when captured (``returned``), so an op costs only its
+    Python (and its autograd function's)."""
+    from mhc_megatron.kernels import host_replay
+
+    def stub(plan, key, inputs, scratch, python, shared=()):
+        return returned[id(plan), key]
+
+    def run():
+        real = host_replay.run
+        host_replay.run = stub
+        try:
+            fn()
+        finally:
+            host_replay.run = real
+
+    return run
 
 
 def split_rows(args) -> list[str]:
     """``--split``: where an op call's host time goes, with the replay on: the whole call, its
-    Python alone (the allocations and launches skipped, :func:`replays_stubbed`) and its C++
-    replay alone (the recorded recipes run with the calls' tensors, every call of the case),
-    per op and for
-    ``ENGINE_DEPTH`` sublayers chained through autograd (per sublayer), medians of
-    ``--rounds`` alternating rounds; and the host's own speed: an empty Python call and one
-    ``torch.empty`` of a mapping's size."""
+    Python alone (the allocations and launches skipped, :func:`_with_replays_skipped`) and its
+    C++ replay alone (the recorded recipes run with the calls' tensors, every call of the
+    case), per op and for ``ENGINE_DEPTH`` sublayers chained through autograd (per sublayer),
+    medians of ``--rounds`` alternating rounds; and the host's own speed: an empty Python call
+    and one ``torch.empty`` of a mapping's size."""
     from mhc_megatron.kernels import host_replay
 
     if host_replay.unavailable() is not None:
@@ -219,26 +219,20 @@ def split_rows(args) -> list[str]:
                 for name, _ in cases}
     rows = {name: {"whole": [], "Python": [], "replay": []} for name, _ in cases}
     iters = max(args.iters // args.rounds, 1)
-    with replays_stubbed() as state, gc_paused():
-        real, split = host_replay.run, {}
+    with gc_paused():
+        split = {}
         for name, fn in cases:  # warm-up (records), then one call captured
             for _ in range(WARMUP):
                 fn()
-            state.captured.clear()
-            state.calls.clear()
-            host_replay.run = state.capture
-            fn()
-            host_replay.run = real
-            stubs = dict(state.captured)
-            replays = [(r, i, sc) for r, i, sc in state.calls if r]
+            returned, calls = capture_replays(fn)
+            replays = [(r, i, sc) for r, i, sc in calls if r]
 
             def replay_only(replays=replays):
                 for recipe, inputs, scratch in replays:
                     recipe.run(inputs, scratch)
 
-            split[name] = {"whole": fn, "replay": replay_only,
-                           "Python": lambda stubs=stubs, fn=fn: _stubbed(host_replay, state,
-                                                                         stubs, fn)}
+            split[name] = {"whole": fn, "Python": _with_replays_skipped(fn, returned),
+                           "replay": replay_only}
         for _ in range(args.rounds):
             for name, _ in cases:
                 for key, fn in split[name].items():
