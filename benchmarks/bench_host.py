@@ -40,6 +40,9 @@ so wall time is host time:
   (:mod:`mhc_megatron.kernels.host_replay`) against the Python path, in this process, the two
   alternating: the four ops, 8 sublayers chained through autograd, and the dense model's
   baseline, mHC and mHC + recompute steps (mHC's growth per sublayer in each mode);
+* ``--native-ab``: the ops' C++ autograd nodes
+  (:mod:`mhc_megatron.kernels.native_autograd`) against their Python autograd functions, in
+  this process, the two alternating, as ``--replay-ab``;
 * ``--split``: with the replay on, each op call's host time as a whole, its Python alone (its
   allocations and launches skipped: the call returns the tensors a captured call returned) and
   its C++ replay alone (the recorded recipe run with the call's tensors), per op and for
@@ -675,6 +678,32 @@ def host_replay_off():
         host_replay.set_enabled(was)
 
 
+@contextlib.contextmanager
+def native_autograd_off():
+    """The ops' Python autograd functions (no C++ autograd nodes) while open."""
+    from mhc_megatron.kernels import native_autograd
+
+    was = native_autograd.enabled()
+    native_autograd.set_enabled(False)
+    try:
+        yield
+    finally:
+        native_autograd.set_enabled(was)
+
+
+def native_ab_rows(args) -> list[str]:
+    """``--native-ab``: the ops' C++ autograd nodes against their Python autograd functions,
+    the replay on in both (see :func:`ab_rows`; the per-op rows call the Python functions
+    directly in both modes, the chained sublayers and the model steps differ)."""
+    from mhc_megatron.kernels import host_replay
+
+    reason = host_replay.unavailable()
+    if reason is not None:
+        return [f"(no replay here: {reason})"]
+    return ab_rows(args, (("C++ nodes", contextlib.nullcontext),
+                          ("Python functions", native_autograd_off)))
+
+
 def replay_ab_rows(args) -> list[str]:
     """``--replay-ab``: the ops' host work replayed from C++ against the Python path (see
     :func:`ab_rows`)."""
@@ -792,6 +821,7 @@ def main(argv=None):
     p.add_argument("--launch-ab", action="store_true")
     p.add_argument("--grad-fusion", action="store_true")
     p.add_argument("--replay-ab", action="store_true")
+    p.add_argument("--native-ab", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -854,6 +884,9 @@ def main(argv=None):
     if args.replay_ab:
         lines += ["", "The ops' host work replayed from C++ against the Python path "
                   "(alternating rounds)", ""] + replay_ab_rows(args)
+    if args.native_ab:
+        lines += ["", "The ops' C++ autograd nodes against their Python autograd functions "
+                  "(alternating rounds)", ""] + native_ab_rows(args)
     if args.split:
         lines += ["", "Each op call's host time: its Python and its C++ replay (alternating "
                   "rounds)", ""] + split_rows(args)

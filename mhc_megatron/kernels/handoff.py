@@ -10,6 +10,11 @@ to its own dx there (the fold: one x-sized write and one x-sized read less a sub
 When the check fails, each op returns its own ``dx`` and autograd adds them, so results
 never depend on whether the link was taken beyond rounding (the linked path adds the
 combine's part in fp32, the other rounds it to x's dtype first).
+
+Where the ops' C++ extension is loaded the handed-over pair lives in its C++ half
+(:func:`~mhc_megatron.kernels.native_autograd.link`), which the ops' C++ autograd nodes
+read and write directly; the Python functions go through :meth:`DxLink.park` and
+:meth:`DxLink.take`, so either kind of node hands over to either.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from mhc_megatron.kernels import native_autograd
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -40,7 +47,23 @@ class DxLink:
         self.geometry = _key(x)
         self.version = x._version
         self.claimed = False
-        self.pending: tuple | None = None  # combine's (g [T, n, C], h_res [T, n, n] fp32)
+        self.native = native_autograd.link()  # the C++ half, where the extension is loaded
+        self._pending: tuple | None = None  # combine's (g [T, n, C], h_res [T, n, n] fp32)
+
+    def park(self, g: torch.Tensor, h_res: torch.Tensor) -> None:
+        """Combine's backward: hand ``g`` (contiguous, as its kernel read it) and ``h_res``
+        (fp32) to pre's."""
+        if self.native is not None:
+            self.native.park(g, h_res)
+        else:
+            self._pending = (g, h_res)
+
+    def take(self) -> tuple | None:
+        """Pre's backward: ``(g, h_res)`` if combine's backward handed them over, else None."""
+        if self.native is not None:
+            return self.native.take()
+        pending, self._pending = self._pending, None
+        return pending
 
     def claim(self, x: torch.Tensor) -> bool:
         ok = (not self.claimed and x.requires_grad and self.root() is _root(x)

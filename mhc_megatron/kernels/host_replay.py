@@ -69,6 +69,10 @@ _DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, t
 _SHARED_ALIGN = 256  # bytes: the offsets of tensors sharing an allocation (Triton's kernels
 # were specialised on 16-byte aligned pointers; 256 as the allocator's own blocks)
 
+# the extension's sources (csrc/): the replay, and the ops' autograd nodes built on it
+# (:mod:`~mhc_megatron.kernels.native_autograd`)
+_SOURCES = ("host_replay.cpp", "autograd_nodes.cpp")
+
 _ENABLED = os.environ.get("MHC_HOST_REPLAY", "1") != "0"
 _extension = None  # the built module, once loaded
 _unavailable: str | None = None  # why there is none (set once)
@@ -96,6 +100,12 @@ def unavailable() -> str | None:
     return _unavailable
 
 
+def extension():
+    """The built extension, or None where the ops' host work stays in Python (see
+    :func:`unavailable`)."""
+    return _extension if unavailable() is None else None
+
+
 def _load() -> None:
     global _extension, _unavailable
     with _build_lock:
@@ -112,8 +122,9 @@ def _load() -> None:
 
                 log_rank0(logger, logging.INFO, "mHC: building the host replay extension (once "
                           "per machine, about 30 s)")
-                source = os.path.join(os.path.dirname(__file__), "csrc", "host_replay.cpp")
-                _extension = cpp_extension.load("mhc_host_replay", [source],
+                csrc = os.path.join(os.path.dirname(__file__), "csrc")
+                sources = [os.path.join(csrc, name) for name in _SOURCES]
+                _extension = cpp_extension.load("mhc_host_replay", sources,
                                                 extra_cflags=["-O2"], verbose=False)
             except Exception as error:  # no compiler, no ninja, a failed build
                 first = (str(error).strip().splitlines() or [""])[0][:300]
@@ -127,15 +138,23 @@ class Recipe:
     """A registered recording: :meth:`run` allocates and launches as the recorded call did and
     returns the tensors it returned."""
 
-    __slots__ = ("rid", "device")
+    __slots__ = ("rid", "device", "table")
 
     def __init__(self, rid: int, device: int):
         self.rid, self.device = rid, device
+        self.table = None  # the op's autograd node table, where it has one (native_autograd)
 
     def run(self, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]) -> list:
         device = self.device
         return _extension.run(self.rid, inputs, scratch,
                               torch._C._cuda_getCurrentRawStream(device), device)
+
+
+def recorded(plan, key) -> Recipe | None:
+    """The replayable recording of ``(plan, key)`` (see :func:`run`), or None: not recorded
+    yet, not replayable, or the replay is off."""
+    recipe = plan.recipes.get(key)
+    return recipe if recipe and _ENABLED else None
 
 
 def run(plan, key, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor],

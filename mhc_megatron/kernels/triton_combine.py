@@ -13,11 +13,13 @@ whose dx pass adds ``H_res^T g`` (:class:`~mhc_megatron.kernels.handoff.DxLink`)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from mhc_megatron.kernels import host_replay
+from mhc_megatron.kernels import host_replay, native_autograd
 from mhc_megatron.kernels.autograd_apply import applier
 from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2, signature
 from mhc_megatron.kernels.reference import aggregate_shape, token_dims
@@ -162,25 +164,69 @@ def _launch_combine(p, sig, x, dims, f, f_bias, h_res, h_post, out, h_next=None,
                     T, C)
 
 
+def _combine_operands(x, f, h_res, h_post, n_streams) -> tuple:
+    """The combine's operands as its kernel reads them, checked: ``(x, bcast, dims, f, h_res,
+    h_post)`` (fp32 mappings; ``dims = (T, n, C)``)."""
+    (x, bcast), f = streams_operand(x), f.contiguous()
+    dims = token_dims(x, n_streams)
+    _check(x, dims[1])
+    return x, bcast, dims, f, contiguous_f32(h_res), contiguous_f32(h_post)
+
+
+def _combine_forward_call(x, f, f_bias, h_res, h_post, bcast, dims) -> tuple:
+    """``(plan, key, inputs)`` of the combine's forward on its operands (T > 0): ``inputs``
+    ``(x, f, f_bias or f, h_res, h_post)`` (``f`` stands in for a missing bias: unread)."""
+    T, n, C = dims
+    p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
+    inputs = (x, f, f_bias if f_bias is not None else f, h_res, h_post)
+    return p, (signature(*inputs), "forward", x.shape), inputs
+
+
 def _combine_forward(x, f, f_bias, h_res, h_post, n_streams):
     """The combine's forward (the kernel of :class:`_CombineFn`): ``(out, saved, bcast,
     dims)``, ``saved`` = ``(x, f, f_bias, h_res, h_post)`` as the kernel read them (fp32
     mappings)."""
-    (x, bcast), f = streams_operand(x), f.contiguous()
-    T, n, C = dims = token_dims(x, n_streams)
-    _check(x, n)
-    h_res, h_post = contiguous_f32(h_res), contiguous_f32(h_post)
-    if T == 0:
+    x, bcast, dims, f, h_res, h_post = _combine_operands(x, f, h_res, h_post, n_streams)
+    if dims[0] == 0:
         out = x.new_empty(x.shape)
     else:
-        p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
-        fb = f_bias if f_bias is not None else f  # unread without HAS_BIAS
-        inputs = (x, f, fb, h_res, h_post)
-        sig = signature(*inputs)
-        (out,) = host_replay.run(p, (sig, "forward", x.shape), inputs, (),
-                                 lambda: _combine_forward_kernels(p, sig, x, dims, f, f_bias,
+        p, key, inputs = _combine_forward_call(x, f, f_bias, h_res, h_post, bcast, dims)
+        (out,) = host_replay.run(p, key, inputs, (),
+                                 lambda: _combine_forward_kernels(p, key[0], x, dims, f, f_bias,
                                                                   h_res, h_post))
     return out, (x, f, f_bias, h_res, h_post), bcast, dims
+
+
+def _combine_native(x, f, f_bias, h_res, h_post, link, n_streams):
+    """The combine through its C++ autograd node (:mod:`~mhc_megatron.kernels.native_autograd`):
+    ``x'``, or None where it does not apply (no extension, no recipe of this forward yet, an
+    operand the op would copy or cast, no tokens)."""
+    ext = native_autograd.extension()
+    if ext is None or (link is not None and link.native is None) or (
+            f_bias is not None and not f_bias.is_contiguous()) or not native_autograd.plain(
+            x, f, f_bias, h_res, h_post):
+        return None
+    xk, bcast, dims, fk, h_res_k, h_post_k = _combine_operands(x, f, h_res, h_post, n_streams)
+    if xk is not x or fk is not f or h_res_k is not h_res or h_post_k is not h_post \
+            or dims[0] == 0:
+        return None
+    p, key, _ = _combine_forward_call(x, f, f_bias, h_res, h_post, bcast, dims)
+    recipe = host_replay.recorded(p, key)
+    if recipe is None:
+        return None
+    table = recipe.table or native_autograd.table(
+        recipe, functools.partial(_combine_native_backward, dims, bcast))
+    return ext.combine_apply(table, x, f, f_bias, h_res, h_post,
+                             None if link is None else link.native)
+
+
+def _combine_native_backward(dims, bcast, x, f, f_bias, h_res, h_post, g, fold) -> tuple:
+    """The combine's backward for its C++ node, where the node has no recipe to replay:
+    ``(dx, df, dh_res, dh_post, recipe id or -1, g)``, ``g`` as the kernel read it (the
+    node hands it to pre's backward)."""
+    g = g.contiguous() if g is not None else x.new_zeros(x.shape)
+    grads, recipe = _combine_backward((x, f, f_bias, h_res, h_post), dims, bcast, fold, g)
+    return (*grads, -1 if recipe is None else recipe.rid, g)
 
 
 def _combine_forward_kernels(p, sig, x, dims, f, f_bias, h_res, h_post) -> tuple:
@@ -206,37 +252,46 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, f, f_bias, h_res, h_post = ctx.saved_tensors
-        T, n, C = ctx.dims
+        saved = ctx.saved_tensors  # x, f, f_bias, h_res, h_post
+        f_bias = saved[2]
         g = g.contiguous()
         fold = ctx.link is not None  # pre's dx pass forms H_res^T g: no dx here
-        if T == 0:
-            dx, df, dh_res, dh_post = _combine_backward_outputs(x, f, fold, dims=ctx.dims)
-        else:
-            p = plan(_CombinePlan, T, n, C, f_bias is not None, ctx.bcast)
-            fb = f_bias if f_bias is not None else f
-            inputs = (g, x, f, fb, h_res, h_post)
-            sig = signature(*inputs)
-            # (dh_res and dh_post, fp32, small, both for pre's backward: one allocation)
-            grads = host_replay.run(p, (sig, "backward", fold, x.shape, f.shape), inputs, (),
-                                    lambda: _combine_backward_kernels(p, sig, inputs, fold,
-                                                                      ctx.dims),
-                                    shared=(1, 2) if fold else (2, 3))
-            dx, df, dh_res, dh_post = (None, *grads) if fold else grads
+        (dx, df, dh_res, dh_post), _ = _combine_backward(saved, ctx.dims, ctx.bcast, fold, g)
         dbias = None
         if f_bias is not None and ctx.needs_input_grad[2]:
             # bf16/fp16 sums accumulate in fp32 inside torch's reduction: no fp32 copy of df
-            dbias = df.view(-1, C).sum(
+            dbias = df.view(-1, ctx.dims[2]).sum(
                 0, dtype=torch.float32 if f_bias.dtype == torch.float32 else None)
             dbias = dbias.to(f_bias.dtype)
         if fold:
-            ctx.link.pending = (g, h_res)  # pre's backward adds H_res^T g (see DxLink)
+            ctx.link.park(g, saved[3])  # pre's backward adds H_res^T g (see DxLink)
         res_dtype, post_dtype = ctx.mapping_dtypes
         if res_dtype != torch.float32:
             dh_res = dh_res.to(res_dtype)
         if post_dtype != torch.float32:
             dh_post = dh_post.to(post_dtype)
         return dx, df, dbias, dh_res, dh_post, None, None
+
+
+def _combine_backward(saved, dims, bcast, fold, g) -> tuple:
+    """The combine's kernel in backward (its Python function's and its C++ node's where that
+    has no recipe): ``((dx, df, dh_res, dh_post), recipe)`` for the contiguous upstream
+    gradient ``g``; ``dx`` None in a fold; ``recipe`` the replayable recording it ran or made
+    (:func:`~mhc_megatron.kernels.host_replay.recorded`), or None. ``saved`` is ``(x, f,
+    f_bias, h_res, h_post)``."""
+    x, f, f_bias, h_res, h_post = saved
+    T, n, C = dims
+    if T == 0:
+        return _combine_backward_outputs(x, f, fold, dims), None
+    p = plan(_CombinePlan, T, n, C, f_bias is not None, bcast)
+    inputs = (g, x, f, f_bias if f_bias is not None else f, h_res, h_post)
+    sig = signature(*inputs)
+    key = (sig, "backward", fold, x.shape, f.shape)
+    # (dh_res and dh_post, fp32, small, both for pre's backward: one allocation)
+    grads = host_replay.run(p, key, inputs, (),
+                            lambda: _combine_backward_kernels(p, sig, inputs, fold, dims),
+                            shared=(1, 2) if fold else (2, 3))
+    return (None, *grads) if fold else grads, host_replay.recorded(p, key)
 
 
 _apply_combine = applier(_CombineFn, tensor_positions=(0, 1, 2, 3, 4))
@@ -279,7 +334,8 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     link = getattr(h_res, "_mhc_dx_link", None)
     if link is not None and not link.claim(x):
         link = None
-    return _apply_combine(x, f, f_bias, h_res, h_post, link, n)
+    out = _combine_native(x, f, f_bias, h_res, h_post, link, n)
+    return out if out is not None else _apply_combine(x, f, f_bias, h_res, h_post, link, n)
 
 
 def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):

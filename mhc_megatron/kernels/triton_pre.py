@@ -21,9 +21,11 @@ launched through :class:`~mhc_megatron.kernels.launch.Launcher`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from mhc_megatron.kernels import host_replay
+from mhc_megatron.kernels import host_replay, native_autograd
 from mhc_megatron.kernels.autograd_apply import applier
 from mhc_megatron.kernels.handoff import DxLink
 from mhc_megatron.kernels.launch import signature, signature_with_alignment
@@ -55,30 +57,89 @@ from mhc_megatron.kernels.triton_pre_fwd import (
 )
 
 
+def _pre_operands(x, phi, alpha, bias, n_streams, form):
+    """pre's operands as its kernels read them, checked: ``(x, bcast, dims, phi, alpha, bias,
+    dsv4, transposed)`` (x's own pointer to the kernels: ``dims = (T, n, C)``)."""
+    dsv4, transposed = form_flags(form)  # (refuses an unknown form)
+    x, bcast = streams_operand(x)
+    dims = token_dims(x, n_streams)
+    _check(x, dims[1])
+    return (x, bcast, dims, phi.contiguous(), alpha.contiguous(), bias.contiguous(), dsv4,
+            transposed)
+
+
+def _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims, dsv4,
+                      transposed) -> tuple:
+    """``(plan, key, scratch)`` of pre's forward on its operands (T > 0): the plan, the
+    recipe key (:func:`host_replay.run <mhc_megatron.kernels.host_replay.run>`: the
+    signature, the launches' other scalars, eps and the form's eps, and x's shape, which y's
+    follows: ``[..., C]`` for the streams ``[..., n*C]``, ``[T, C]`` for tokens ``[T, n, C]``)
+    and the reused temporaries."""
+    T, n, C = dims
+    p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4, transposed)
+    key = (signature(x, phi, alpha, bias, extra=(int(iters),)), float(eps), float(form.eps),
+           x.shape)
+    return p, key, p.scratch.tensors(x.device)
+
+
 def _pre_forward(x, phi, alpha, bias, iters, eps, n_streams, form):
     """pre's forward (the kernels of :class:`_PreFn`): ``((y, h_pre, h_post, h_res), saved,
     bcast, dims)``, ``saved`` = ``(x, phi, alpha, bias, ht, rstd)`` as the kernels read and
     wrote them (what the backward needs besides ``h_pre``)."""
-    dsv4, transposed = form_flags(form)  # (refuses an unknown form)
-    x, bcast = streams_operand(x)
-    T, n, C = dims = token_dims(x, n_streams)  # x's own pointer to the kernels: [T, n, C]
-    _check(x, n)
-    phi, alpha, bias = phi.contiguous(), alpha.contiguous(), bias.contiguous()
-    if T == 0:
+    x, bcast, dims, phi, alpha, bias, dsv4, transposed = _pre_operands(x, phi, alpha, bias,
+                                                                       n_streams, form)
+    if dims[0] == 0:
         y, h_pre, h_post, h_res, ht, rstd = _pre_forward_outputs(x, n_streams, dims)
     else:
-        p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4,
-                 transposed)
-        sig = signature(x, phi, alpha, bias, extra=(int(iters),))
-        scratch = p.scratch.tensors(x.device)
-        # (the launches' other scalars: eps and the form's eps; the rest is the plan's; x's
-        # shape: y's, [..., C] for the streams [..., n*C], [T, C] for tokens [T, n, C])
+        p, key, scratch = _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims,
+                                            dsv4, transposed)
         y, h_pre, h_post, h_res, ht, rstd = host_replay.run(
-            p, (sig, float(eps), float(form.eps), x.shape), (x, phi, alpha, bias), scratch,
-            lambda: _pre_forward_kernels(p, sig, scratch, x, phi, alpha, bias, iters, eps, form,
-                                         n_streams, dims, bcast),
+            p, key, (x, phi, alpha, bias), scratch,
+            lambda: _pre_forward_kernels(p, key[0], scratch, x, phi, alpha, bias, iters, eps,
+                                         form, n_streams, dims, bcast),
             shared=_PRE_FP32_OUTPUTS)
     return (y, h_pre, h_post, h_res), (x, phi, alpha, bias, ht, rstd), bcast, dims
+
+
+def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_grads):
+    """pre through its C++ autograd node (:mod:`~mhc_megatron.kernels.native_autograd`):
+    ``(y, h_pre, h_post, h_res)``, or None where it does not apply (no extension, no recipe
+    of this forward yet, an operand the op would copy, no tokens)."""
+    ext = native_autograd.extension()
+    if ext is None or (link is not None and link.native is None) or not native_autograd.plain(
+            x, phi, alpha, bias):
+        return None
+    xk, bcast, dims, phi_k, alpha_k, bias_k, dsv4, transposed = _pre_operands(
+        x, phi, alpha, bias, n_streams, form)
+    if xk is not x or phi_k is not phi or alpha_k is not alpha or bias_k is not bias \
+            or dims[0] == 0:
+        return None
+    p, key, scratch = _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims,
+                                        dsv4, transposed)
+    recipe = host_replay.recorded(p, key)
+    if recipe is None:
+        return None
+    mains = (_main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
+                                              bias.requires_grad)) if main_grads else None)
+    table = recipe.table or native_autograd.table(recipe, functools.partial(
+        _pre_native_backward, dims, bcast, int(iters), n_streams, (dsv4, transposed,
+                                                                    float(form.eps))))
+    return tuple(ext.pre_apply(table, x, phi, alpha, bias, scratch,
+                               None if link is None else link.native, list(mains or ()),
+                               (phi, alpha, bias) if mains else None))
+
+
+def _pre_native_backward(dims, bcast, iters, n_streams, form, x, phi, alpha, bias, ht, rstd,
+                         h_pre, dy, dh_pre, dh_post, dh_res, g_combine, h_res_combine,
+                         main_grads) -> tuple:
+    """pre's backward for its C++ node, where the node has no recipe to replay: ``(dx, dphi,
+    dalpha, dbias, recipe id or -1, scratch)`` (the node then replays that recipe with that
+    scratch for gradients like these)."""
+    grads, recipe, scratch = _pre_backward(
+        (x, phi, alpha, bias, ht, rstd, h_pre), dims, bcast, iters, n_streams, form,
+        None if g_combine is None else (g_combine, h_res_combine),
+        tuple(main_grads) or None, dy, dh_pre, dh_post, dh_res)
+    return (*grads, -1 if recipe is None else recipe.rid, list(scratch))
 
 
 # pre forward's fp32 outputs (h_pre, h_post, h_res, ht, rstd): small, saved together and freed
@@ -136,42 +197,60 @@ class _PreFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_pre, dh_post, dh_res):
-        x, phi, alpha, bias, ht, rstd, h_pre = ctx.saved_tensors
-        T, n, C = ctx.dims
-        dev = x.device
-        g_combine = h_res_combine = None  # the combine's upstream gradient and H_res
-        if ctx.link is not None and ctx.link.pending is not None:
-            (g_combine, h_res_combine), ctx.link.pending = ctx.link.pending, None
-        dsv4, transposed, form_eps = ctx.form
-        p = plan(_PreBackwardPlan, T, n, C, x.dtype, forced_precision(), dh_pre is not None,
-                 g_combine is not None, ctx.bcast, dsv4, transposed)
-        if T == 0:
-            dx = x.new_zeros(x.shape)
-            return (dx, phi.new_zeros(p.m, p.K), alpha.new_zeros(3), bias.new_zeros(p.m), None,
-                    None, None, None, None, None)
+        saved = ctx.saved_tensors  # x, phi, alpha, bias, ht, rstd, h_pre
+        pending = ctx.link.take() if ctx.link is not None else None
         main_grads = None if ctx.params is None else _main_grads(ctx.params,
                                                                 ctx.needs_input_grad[1:4])
-        dy = (torch.zeros(aggregate_shape(x, ctx.n_streams, C), device=dev, dtype=x.dtype)
-              if dy is None else dy.contiguous())
-        dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
-        dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
-        dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
-        fold = g_combine is not None
-        inputs = (x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
-                  *((g_combine, h_res_combine) if fold else ()), *(main_grads or ()))
-        sig = signature(*inputs[:11 + 2 * fold], extra=(ctx.iters,))
-        grads_sig = sig if main_grads is None else signature_with_alignment(*main_grads)
-        scratch = (*p.scratch.tensors(dev), *p.sinkhorn_history(ctx.iters).tensors(dev))
-        # (the launches' other scalars: the Sinkhorn iterations, in sig, and the form's eps;
-        # x's shape: dx's)
-        dx, dphi, dalpha, dbias = host_replay.run(
-            p, (sig, grads_sig, form_eps, x.shape), inputs, scratch,
-            lambda: _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads,
-                                          ctx.iters, form_eps, dims=(T, n, C)))
+        (dx, dphi, dalpha, dbias), _, _ = _pre_backward(
+            saved, ctx.dims, ctx.bcast, ctx.iters, ctx.n_streams, ctx.form, pending, main_grads,
+            dy, dh_pre, dh_post, dh_res)
         if main_grads is not None:
             for param in ctx.params:
                 param.grad_added_to_main_grad = True
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
+
+
+def _pre_backward(saved, dims, bcast, iters, n_streams, form, pending, main_grads, dy, dh_pre,
+                  dh_post, dh_res) -> tuple:
+    """pre's backward (its Python function's and its C++ node's where that has no recipe):
+    ``((dx, dphi, dalpha, dbias), recipe, scratch)``, ``recipe`` the replayable recording it
+    ran or made (:func:`~mhc_megatron.kernels.host_replay.recorded`) if its temporaries
+    ``scratch`` are the plan's reused ones, else None. ``saved`` is
+    ``(x, phi, alpha, bias, ht, rstd, h_pre)``, ``form`` ``(dsv4, transposed, eps)``,
+    ``pending`` the combine's handed-over ``(g, h_res)`` or None, ``main_grads`` the
+    parameters' ``main_grad`` buffers to add the gradients to, or None (:func:`_main_grads`)."""
+    x, phi, alpha, bias, ht, rstd, h_pre = saved
+    T, n, C = dims
+    dev = x.device
+    g_combine, h_res_combine = pending if pending is not None else (None, None)
+    dsv4, transposed, form_eps = form
+    p = plan(_PreBackwardPlan, T, n, C, x.dtype, forced_precision(), dh_pre is not None,
+             g_combine is not None, bcast, dsv4, transposed)
+    if T == 0:
+        dx = x.new_zeros(x.shape)
+        return ((dx, phi.new_zeros(p.m, p.K), alpha.new_zeros(3), bias.new_zeros(p.m)), None,
+                ())
+    dy = (torch.zeros(aggregate_shape(x, n_streams, C), device=dev, dtype=x.dtype)
+          if dy is None else dy.contiguous())
+    dh_post = torch.zeros(T, n, device=dev) if dh_post is None else contiguous_f32(dh_post)
+    dh_res = torch.zeros(T, n, n, device=dev) if dh_res is None else contiguous_f32(dh_res)
+    dh_pre = contiguous_f32(dh_pre) if dh_pre is not None else dh_post  # (unread if None)
+    fold = g_combine is not None
+    inputs = (x, dy, dh_pre, dh_post, dh_res, ht, rstd, alpha, bias, h_pre, phi,
+              *((g_combine, h_res_combine) if fold else ()), *(main_grads or ()))
+    sig = signature(*inputs[:11 + 2 * fold], extra=(iters,))
+    grads_sig = sig if main_grads is None else signature_with_alignment(*main_grads)
+    history = p.sinkhorn_history(iters)
+    scratch = (*p.scratch.tensors(dev), *history.tensors(dev))
+    # (the launches' other scalars: the Sinkhorn iterations, in sig, and the form's eps;
+    # x's shape: dx's)
+    key = (sig, grads_sig, form_eps, x.shape)
+    grads = host_replay.run(
+        p, key, inputs, scratch,
+        lambda: _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads,
+                                      iters, form_eps, dims=(T, n, C)))
+    reused = p.scratch.reuse and history.reuse  # (else fresh temporaries each call)
+    return grads, host_replay.recorded(p, key) if reused else None, scratch
 
 
 _apply_pre = applier(_PreFn, tensor_positions=(0, 1, 2, 3))
@@ -249,7 +328,10 @@ def pre(x, phi, alpha, bias, sinkhorn_iterations, eps, n=None, form=PAPER, main_
     if not records_autograd(x, phi, alpha, bias):
         return _pre_forward(x, phi, alpha, bias, sinkhorn_iterations, eps, n, form)[0]
     link = DxLink(x) if x.requires_grad else None
-    outs = _apply_pre(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form, main_grads)
+    outs = _pre_native(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form, main_grads)
+    if outs is None:
+        outs = _apply_pre(x, phi, alpha, bias, sinkhorn_iterations, eps, link, n, form,
+                          main_grads)
     if link is not None:
         outs[3]._mhc_dx_link = link
     return outs

@@ -5,10 +5,12 @@
 A 4-layer mHC GPT (n=4, bf16, hidden 512, Megatron's local modules with its own deterministic
 attention, Triton kernels), one forward and backward of a fixed batch, once without and once
 with ``mhc_recompute``. Per run: the loss's bits and a SHA-256 of every parameter gradient's
-bytes. The step is run twice per process and must repeat bit for bit, so the digests are a fact
-of the code and the GPU architecture, not of the run (where the ops' host replay is on, the first
-step runs their Python path and records it, the second replays it from C++:
-:mod:`mhc_megatron.kernels.host_replay`). Prints the JSON (and writes it to
+bytes. The step is run three times per process and must repeat bit for bit, so the digests are a
+fact of the code and the GPU architecture, not of the run (where the ops' host replay is on, the
+first step runs their Python path and records it, the second replays their forward from C++ with
+the ops' C++ autograd nodes, whose backward runs the Python path once per variant and records
+it, and the third replays both: :mod:`mhc_megatron.kernels.host_replay`,
+:mod:`mhc_megatron.kernels.native_autograd`). Prints the JSON (and writes it to
 OUT.json): ``{"device", "capability", "versions": {"torch", "triton"}, "runs": {name: {"loss",
 "grads": {param: sha256}}}}``. Imports the package from the working directory, so it also
 digests another revision of the code checked out elsewhere (run from there).
@@ -79,8 +81,8 @@ def digests() -> dict:
     runs = {}
     for name, recompute in (("mhc", False), ("mhc_recompute", True)):
         model = _model(recompute)
-        first, again = _step(model), _step(model)
-        if first != again:
+        first, second, third = _step(model), _step(model), _step(model)
+        if not first == second == third:
             raise RuntimeError(f"{name}: the step does not repeat bit for bit on this GPU")
         runs[name] = first
     import triton

@@ -1,9 +1,10 @@
 // The host side of one mHC op call, replayed: allocate its tensors and launch its Triton kernels
 // as a recorded call did (mhc_megatron/kernels/host_replay.py). Built on first use with
-// torch.utils.cpp_extension; the CUDA driver's cuLaunchKernel is looked up in libcuda at run time,
-// so the build needs torch's headers and a C++ compiler only.
-#include <torch/extension.h>
+// torch.utils.cpp_extension; the CUDA driver's calls (cuLaunchKernel ...) are looked up in libcuda
+// at run time, so the build needs torch's headers and a C++ compiler only.
+#include "host_replay.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 
 #include <cstring>
@@ -11,19 +12,56 @@
 
 namespace {
 
-using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             unsigned, void*, void**, void**);
+// The CUDA driver calls the replay makes, looked up in libcuda once.
+struct Driver {
+  int (*launch_kernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                       unsigned, void*, void**, void**);
+  int (*stream_is_capturing)(void*, int*);
+  int (*ctx_get_current)(void**);
+  int (*ctx_set_current)(void*);
+  int (*device_get)(int*, int);
+  int (*primary_ctx_retain)(void**, int);
+};
 
-LaunchKernel launch_kernel() {
-  static LaunchKernel fn = nullptr;
-  if (fn == nullptr) {
+template <class F>
+void lookup(void* lib, const char* name, F& fn) {
+  fn = reinterpret_cast<F>(dlsym(lib, name));
+  TORCH_CHECK(fn != nullptr, "mHC host replay: no ", name, " in libcuda.so.1");
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
     TORCH_CHECK(lib != nullptr, "mHC host replay: libcuda.so.1 is not loaded");
-    fn = reinterpret_cast<LaunchKernel>(dlsym(lib, "cuLaunchKernel"));
-    TORCH_CHECK(fn != nullptr, "mHC host replay: no cuLaunchKernel in libcuda.so.1");
-  }
-  return fn;
+    Driver r;
+    lookup(lib, "cuLaunchKernel", r.launch_kernel);
+    lookup(lib, "cuStreamIsCapturing", r.stream_is_capturing);
+    lookup(lib, "cuCtxGetCurrent", r.ctx_get_current);
+    lookup(lib, "cuCtxSetCurrent", r.ctx_set_current);
+    lookup(lib, "cuDeviceGet", r.device_get);
+    lookup(lib, "cuDevicePrimaryCtxRetain", r.primary_ctx_retain);
+    return r;
+  }();
+  return d;
+}
+
+// Makes the device's primary context (the one torch's runtime calls use) current on this
+// thread where none is: a thread that has made no CUDA runtime call yet, such as autograd's
+// device thread (torch sets its device only where cudaGetDevice differs, which binds no
+// context), has none, and the driver's calls need one.
+void ensure_context(int64_t device) {
+  const Driver& d = driver();
+  void* ctx = nullptr;
+  int error = d.ctx_get_current(&ctx);
+  TORCH_CHECK(error == 0, "mHC host replay: cuCtxGetCurrent failed (CUresult ", error, ")");
+  if (ctx != nullptr) return;
+  int handle = 0;
+  error = d.device_get(&handle, static_cast<int>(device));
+  if (error == 0) error = d.primary_ctx_retain(&ctx, handle);
+  if (error == 0) error = d.ctx_set_current(ctx);
+  TORCH_CHECK(error == 0, "mHC host replay: could not make device ", device,
+              "'s primary context current (CUresult ", error, ")");
 }
 
 // Where a kernel parameter's value comes from (host_replay.py: ARG_KINDS).
@@ -112,9 +150,25 @@ int64_t add_recipe(int64_t inputs, int64_t scratch, std::vector<std::vector<int6
   return static_cast<int64_t>(recipes().size()) - 1;
 }
 
-std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
-                            const std::vector<at::Tensor>& scratch, int64_t stream,
-                            int64_t device) {
+namespace mhc {
+
+bool capturing(void* stream, int64_t device) {
+  ensure_context(device);
+  int status = 0;
+  const int error = driver().stream_is_capturing(stream, &status);
+  TORCH_CHECK(error == 0, "mHC host replay: cuStreamIsCapturing failed (CUresult ", error, ")");
+  return status != 0;  // CU_STREAM_CAPTURE_STATUS_NONE is 0
+}
+
+void* current_stream(int64_t device) {
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)))
+      .native_handle();
+}
+
+std::vector<at::Tensor> replay(int64_t id, const std::vector<at::Tensor>& inputs,
+                               const std::vector<at::Tensor>& scratch, void* stream,
+                               int64_t device) {
   const Recipe& r = recipes().at(id);
   TORCH_CHECK((int64_t)inputs.size() == r.inputs && (int64_t)scratch.size() == r.scratch,
               "mHC host replay: a recipe run with other inputs than it was recorded with");
@@ -141,7 +195,8 @@ std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
     impl->set_storage_offset(r.offset[i] / (int64_t)c10::elementSize(r.dtypes[i]));
     allocated.push_back(std::move(t));
   }
-  const LaunchKernel launch = launch_kernel();
+  ensure_context(device);
+  const auto launch = driver().launch_kernel;
   uint64_t slots[kMaxParams];
   void* params[kMaxParams];
   for (const Launch& l : r.launches) {
@@ -160,7 +215,7 @@ std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
       params[j] = &slots[j];
     }
     const int status = launch(reinterpret_cast<void*>(l.function), l.grid_x, l.grid_y, l.grid_z,
-                              l.block, 1, 1, l.shared, reinterpret_cast<void*>(stream), params,
+                              l.block, 1, 1, l.shared, stream, params,
                               nullptr);
     TORCH_CHECK(status == 0, "mHC host replay: cuLaunchKernel failed (CUresult ", status, ")");
   }
@@ -170,7 +225,16 @@ std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
   return out;
 }
 
+}  // namespace mhc
+
+std::vector<at::Tensor> run(int64_t id, const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& scratch, int64_t stream,
+                            int64_t device) {
+  return mhc::replay(id, inputs, scratch, reinterpret_cast<void*>(stream), device);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_recipe", &add_recipe, "register a recorded op call; returns its id");
   m.def("run", &run, "allocate and launch as recipe `id` records; returns the returned tensors");
+  mhc::bind_autograd_nodes(m);
 }

@@ -1,0 +1,348 @@
+// The autograd nodes of the two fused ops of a sublayer, "pre" and "combine", in C++
+// (mhc_megatron/kernels/native_autograd.py): an op call whose forward is replayed from a recipe
+// (host_replay.cpp) gets one of these nodes instead of a Python autograd function, so that its
+// backward runs on autograd's device thread without the interpreter: the node looks up the
+// recipe of its backward variant and replays it. Where it has none yet, or the gradients it is
+// handed are not what a recipe was recorded for (undefined, strided, misaligned, another dtype),
+// or a CUDA graph is being captured, it calls the op's Python backward (which records the
+// recipe), under the GIL.
+#include "host_replay.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <type_traits>
+
+namespace py = pybind11;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+namespace mhc {
+namespace {
+
+// How autograd holds its nodes: std::shared_ptr (torch up to 2.13) or c10::intrusive_ptr.
+using NodePtr = decltype(torch::autograd::Edge{}.function);
+
+template <class N>
+void delete_node(N* node) {
+  deleteNode(node);  // torch::autograd::deleteNode, found through N's base (shared_ptr torch)
+}
+
+template <class N>
+auto make_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* node) { delete_node(node); });
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// Whether `t` is what a recipe reads for a tensor of `dtype` on `device`: contiguous, 16-byte
+// aligned (as launch.signature requires), on that device.
+bool dense(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
+  return t.defined() && t.scalar_type() == dtype && t.is_contiguous() &&
+         (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0 && t.device() == device;
+}
+
+at::Tensor tensor_or_undefined(const py::handle& h) {
+  return h.is_none() ? at::Tensor() : h.cast<at::Tensor>();
+}
+
+// A reference to a Python object that a node or table may drop on a thread without the GIL.
+struct PyRef {
+  PyObject* obj = nullptr;
+  explicit PyRef(py::object o) : obj(o.release().ptr()) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (obj != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(obj);
+    }
+  }
+  py::handle get() const { return py::handle(obj); }
+};
+
+// Calls a Python backward (the GIL held); its exception becomes a C++ one (the engine
+// re-raises it in the thread that called backward).
+template <class... Args>
+py::tuple call_python(const PyRef& fn, Args&&... args) {
+  try {
+    return fn.get()(std::forward<Args>(args)...).template cast<py::tuple>();
+  } catch (py::error_already_set& error) {
+    throw std::runtime_error(error.what());
+  }
+}
+
+// One recorded forward of an op (a plan and key of host_replay.run) and the recipes of its
+// backward, one per (variant, signature of the per-call tensors, stream): filled by the op's
+// Python backward, read by the nodes. Shared by every call of that forward.
+struct OpTable {
+  struct Backward {
+    int64_t variant;
+    std::vector<int64_t> signature;
+    void* stream;
+    int64_t recipe;
+    std::vector<at::Tensor> scratch;
+  };
+
+  int64_t forward_recipe, device;
+  PyRef python_backward;
+  std::mutex mutex;
+  std::deque<Backward> backward;  // entries never move nor change once added
+
+  OpTable(int64_t forward_recipe, int64_t device, py::object python_backward)
+      : forward_recipe(forward_recipe), device(device),
+        python_backward(std::move(python_backward)) {}
+
+  const Backward* find(int64_t variant, const std::vector<int64_t>& signature, void* stream) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Backward& b : backward) {
+      if (b.variant == variant && b.stream == stream && b.signature == signature) return &b;
+    }
+    return nullptr;
+  }
+
+  void add(int64_t variant, std::vector<int64_t> signature, void* stream, int64_t recipe,
+           std::vector<at::Tensor> scratch) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Backward& b : backward) {
+      if (b.variant == variant && b.stream == stream && b.signature == signature) return;
+    }
+    constexpr size_t kMaxEntries = 32;  // variants x streams x signatures seen in practice: few
+    if (backward.size() < kMaxEntries) {
+      backward.push_back({variant, std::move(signature), stream, recipe, std::move(scratch)});
+    }
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return backward.size();
+  }
+};
+
+// The handoff of combine's upstream gradient and H_res to the pre of the same x (handoff.py's
+// DxLink): combine's backward parks them, pre's takes them.
+struct Link {
+  at::Tensor g, h_res;
+  bool pending = false;
+
+  void park(at::Tensor g_, at::Tensor h_res_) {
+    g = std::move(g_);
+    h_res = std::move(h_res_);
+    pending = true;
+  }
+
+  bool take(at::Tensor& g_, at::Tensor& h_res_) {
+    if (!pending) return false;
+    g_ = std::move(g);
+    h_res_ = std::move(h_res);
+    g = at::Tensor();
+    h_res = at::Tensor();
+    pending = false;
+    return true;
+  }
+};
+
+// pre's backward: grads (dy, dh_pre, dh_post, dh_res) -> (dx, dphi, dalpha, dbias).
+struct PreBackward : public Node {
+  SavedVariable x_, phi_, alpha_, bias_, ht_, rstd_, h_pre_;
+  std::shared_ptr<OpTable> table_;
+  std::shared_ptr<Link> link_;
+  std::vector<at::Tensor> main_grads_;  // Megatron's main_grad buffers of phi, alpha, bias
+  std::vector<int64_t> main_signature_;
+  std::shared_ptr<PyRef> params_;  // with main_grads_: the parameters, to flag
+
+  std::string name() const override { return "MHCPreBackward"; }
+
+  void release_variables() override {
+    for (SavedVariable* s : {&x_, &phi_, &alpha_, &bias_, &ht_, &rstd_, &h_pre_}) s->reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor g_combine, h_res_combine;
+    const bool fold = link_ && link_->take(g_combine, h_res_combine);
+    const at::Tensor x = x_.unpack(), phi = phi_.unpack(), alpha = alpha_.unpack(),
+                     bias = bias_.unpack(), ht = ht_.unpack(), rstd = rstd_.unpack(),
+                     h_pre = h_pre_.unpack();
+    const at::Tensor &dy = grads[0], &dh_pre = grads[1], &dh_post = grads[2], &dh_res = grads[3];
+    const int64_t device = table_->device;
+    void* stream = current_stream(device);
+    const auto dev = x.device();
+    const bool replayable =
+        dense(dy, x.scalar_type(), dev) && dense(dh_post, at::kFloat, dev) &&
+        dense(dh_res, at::kFloat, dev) && (!dh_pre.defined() || dense(dh_pre, at::kFloat, dev)) &&
+        (!fold || (dense(g_combine, x.scalar_type(), dev) &&
+                   dense(h_res_combine, at::kFloat, dev))) &&
+        !capturing(stream, device);
+    const int64_t variant = (dh_pre.defined() ? 2 : 0) | (fold ? 1 : 0);
+    const OpTable::Backward* recipe =
+        replayable ? table_->find(variant, main_signature_, stream) : nullptr;
+    variable_list out;
+    if (recipe != nullptr) {
+      std::vector<at::Tensor> inputs = {x, dy, dh_pre.defined() ? dh_pre : dh_post, dh_post,
+                                        dh_res, ht, rstd, alpha, bias, h_pre, phi};
+      if (fold) {
+        inputs.push_back(g_combine);
+        inputs.push_back(h_res_combine);
+      }
+      inputs.insert(inputs.end(), main_grads_.begin(), main_grads_.end());
+      out = replay(recipe->recipe, inputs, recipe->scratch, stream, device);
+    } else {
+      py::gil_scoped_acquire gil;
+      py::tuple r = call_python(table_->python_backward, x, phi, alpha, bias, ht, rstd, h_pre, dy,
+                                dh_pre, dh_post, dh_res, g_combine, h_res_combine, main_grads_);
+      out = {tensor_or_undefined(r[0]), tensor_or_undefined(r[1]), tensor_or_undefined(r[2]),
+             tensor_or_undefined(r[3])};
+      const int64_t rid = r[4].cast<int64_t>();
+      if (replayable && rid >= 0) {
+        table_->add(variant, main_signature_, stream, rid, r[5].cast<std::vector<at::Tensor>>());
+      }
+    }
+    if (params_) {  // Megatron's protocol: the gradients are in main_grad, skip .grad
+      py::gil_scoped_acquire gil;
+      for (py::handle p : params_->get()) p.attr("grad_added_to_main_grad") = true;
+    }
+    return out;
+  }
+};
+
+// combine's backward: grads (g) -> (dx, df, dbias, dh_res, dh_post); no dx with the link.
+struct CombineBackward : public Node {
+  SavedVariable x_, f_, f_bias_, h_res_, h_post_;
+  std::shared_ptr<OpTable> table_;
+  std::shared_ptr<Link> link_;
+  int64_t channels_ = 0;
+
+  std::string name() const override { return "MHCCombineBackward"; }
+
+  void release_variables() override {
+    for (SavedVariable* s : {&x_, &f_, &f_bias_, &h_res_, &h_post_}) s->reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor x = x_.unpack(), f = f_.unpack(), f_bias = f_bias_.unpack(),
+                     h_res = h_res_.unpack(), h_post = h_post_.unpack();
+    at::Tensor g = grads[0];
+    const bool fold = static_cast<bool>(link_);
+    const int64_t device = table_->device;
+    void* stream = current_stream(device);
+    const bool replayable = dense(g, x.scalar_type(), x.device()) && !capturing(stream, device);
+    static const std::vector<int64_t> no_signature;
+    const OpTable::Backward* recipe =
+        replayable ? table_->find(fold, no_signature, stream) : nullptr;
+    at::Tensor dx, df, dh_res, dh_post;
+    if (recipe != nullptr) {
+      auto out = replay(recipe->recipe, {g, x, f, f_bias.defined() ? f_bias : f, h_res, h_post},
+                        recipe->scratch, stream, device);
+      if (fold) {
+        df = out[0], dh_res = out[1], dh_post = out[2];
+      } else {
+        dx = out[0], df = out[1], dh_res = out[2], dh_post = out[3];
+      }
+    } else {
+      py::gil_scoped_acquire gil;
+      py::tuple r = call_python(table_->python_backward, x, f, f_bias, h_res, h_post, g, fold);
+      dx = tensor_or_undefined(r[0]), df = tensor_or_undefined(r[1]);
+      dh_res = tensor_or_undefined(r[2]), dh_post = tensor_or_undefined(r[3]);
+      const int64_t rid = r[4].cast<int64_t>();
+      g = tensor_or_undefined(r[5]);  // as the kernel read it (contiguous)
+      if (replayable && rid >= 0) table_->add(fold, no_signature, stream, rid, {});
+    }
+    at::Tensor dbias;
+    if (f_bias.defined() && should_compute_output(2)) {
+      // as the Python op: bf16/fp16 sums accumulate in fp32 inside torch's reduction
+      const bool f32 = f_bias.scalar_type() == at::kFloat;
+      dbias = at::sum(df.view({-1, channels_}), {0}, false,
+                      f32 ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt)
+                  .to(f_bias.scalar_type());
+    }
+    if (fold) link_->park(g, h_res);  // pre's backward adds H_res^T g
+    return {dx, df, dbias, dh_res, dh_post};
+  }
+};
+
+// pre's forward from its recipe: (y, h_pre, h_post, h_res), recorded with a PreBackward node.
+std::vector<at::Tensor> pre_apply(const std::shared_ptr<OpTable>& table, const at::Tensor& x,
+                                  const at::Tensor& phi, const at::Tensor& alpha,
+                                  const at::Tensor& bias, const std::vector<at::Tensor>& scratch,
+                                  std::shared_ptr<Link> link, std::vector<at::Tensor> main_grads,
+                                  py::object params) {
+  void* stream = current_stream(table->device);
+  // y, h_pre, h_post, h_res, ht, rstd
+  std::vector<at::Tensor> outs =
+      replay(table->forward_recipe, {x, phi, alpha, bias}, scratch, stream, table->device);
+  auto node = make_node<PreBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, phi, alpha, bias));
+  node->x_ = SavedVariable(x, false);
+  node->phi_ = SavedVariable(phi, false);
+  node->alpha_ = SavedVariable(alpha, false);
+  node->bias_ = SavedVariable(bias, false);
+  node->ht_ = SavedVariable(outs[4], false);
+  node->rstd_ = SavedVariable(outs[5], false);
+  // h_pre's values, not the output itself (an output saved as a plain tensor would hold its
+  // own node): an alias of it without autograd history, sharing its version counter
+  node->h_pre_ = SavedVariable(outs[1].detach(), false);
+  node->table_ = table;
+  node->link_ = std::move(link);
+  for (const at::Tensor& m : main_grads) {
+    node->main_signature_.push_back(static_cast<int64_t>(m.scalar_type()));
+    node->main_signature_.push_back((reinterpret_cast<uintptr_t>(m.data_ptr()) & 15) == 0);
+  }
+  node->main_grads_ = std::move(main_grads);
+  if (!node->main_grads_.empty()) node->params_ = std::make_shared<PyRef>(std::move(params));
+  outs.resize(4);
+  torch::autograd::set_history(outs, NodePtr(node));
+  return outs;
+}
+
+// combine's forward from its recipe: x', recorded with a CombineBackward node.
+at::Tensor combine_apply(const std::shared_ptr<OpTable>& table, const at::Tensor& x,
+                         const at::Tensor& f, const std::optional<at::Tensor>& f_bias,
+                         const at::Tensor& h_res, const at::Tensor& h_post,
+                         std::shared_ptr<Link> link) {
+  void* stream = current_stream(table->device);
+  const at::Tensor bias = f_bias.has_value() ? *f_bias : at::Tensor();
+  std::vector<at::Tensor> outs =
+      replay(table->forward_recipe, {x, f, bias.defined() ? bias : f, h_res, h_post}, {}, stream,
+             table->device);
+  auto node = make_node<CombineBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, f, bias, h_res, h_post));
+  node->x_ = SavedVariable(x, false);
+  node->f_ = SavedVariable(f, false);
+  node->f_bias_ = SavedVariable(bias, false);
+  node->h_res_ = SavedVariable(h_res, false);
+  node->h_post_ = SavedVariable(h_post, false);
+  node->table_ = table;
+  node->link_ = std::move(link);
+  node->channels_ = f.size(-1);
+  torch::autograd::set_history(outs[0], NodePtr(node));
+  return outs[0];
+}
+
+}  // namespace
+
+void bind_autograd_nodes(py::module& m) {
+  py::class_<OpTable, std::shared_ptr<OpTable>>(m, "OpTable")
+      .def(py::init<int64_t, int64_t, py::object>(), py::arg("forward_recipe"),
+           py::arg("device"), py::arg("python_backward"))
+      .def("backward_recipes", &OpTable::size, "how many backward recipes the table holds");
+  py::class_<Link, std::shared_ptr<Link>>(m, "Link")
+      .def(py::init<>())
+      .def("park", &Link::park)
+      .def("take", [](Link& link) -> py::object {
+        at::Tensor g, h_res;
+        if (!link.take(g, h_res)) return py::none();
+        return py::make_tuple(g, h_res);
+      });
+  m.def("pre_apply", &pre_apply, "pre's forward replayed, with a C++ autograd node");
+  m.def("combine_apply", &combine_apply, "combine's forward replayed, with a C++ autograd node");
+}
+
+}  // namespace mhc

@@ -1,0 +1,90 @@
+"""The autograd nodes of "pre" and "combine" in C++, for op calls replayed from C++.
+
+In a training step each sublayer makes two autograd nodes, pre's and combine's. As Python
+autograd functions their backward runs in the interpreter on autograd's device thread: the
+engine takes the GIL, builds the context's saved tensors, calls ``backward``, which looks its
+plan and recipe up and replays it, and hands the gradients back; that is most of a
+sublayer's host time in a step (``benchmarks/RESULTS.md``, "Host (CPU) time"). Here an op
+call whose forward has a recipe (:func:`~mhc_megatron.kernels.host_replay.recorded`) runs as
+one call into the extension (``csrc/autograd_nodes.cpp``): it replays the forward and records
+a C++ node, which saves the same tensors through autograd's own saved variables (so
+``saved_tensors_hooks``, ``mhc_recompute``'s and activation offloading's included, see them
+as they see a Python function's) and, in backward, replays the recipe of its backward
+variant without the interpreter.
+
+The node's backward falls back to the op's Python backward (under the GIL), which records
+the recipe the next call replays, wherever it cannot replay: the first call of each variant
+(pre: with or without ``dh_pre``, with or without the combine's handed-over gradient;
+combine: with or without the hand-over), gradients that are undefined, strided, misaligned
+or of another dtype than recorded, another CUDA stream, and a CUDA graph being captured. So
+the two paths run the same kernels on the same tensors: the same bits.
+
+Used only where every condition of the replay holds and the op's inputs need no copy
+(contiguous streams or global layer 1's broadcast view, contiguous parameters, fp32
+mappings) and are plain tensors (no subclass), outside ``torch.compile`` and functorch
+transforms; elsewhere the ops keep their
+Python autograd functions. ``MHC_NATIVE_AUTOGRAD=0`` (or :func:`set_enabled`) turns the nodes
+off. A node's gradients for the parameters are added to Megatron's ``main_grad`` buffers as
+the Python function adds them (``gradient_accumulation_fusion``); the buffers are resolved
+when the forward runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mhc_megatron.kernels import host_replay
+from mhc_megatron.kernels.launch import _compiling
+
+_ENABLED = os.environ.get("MHC_NATIVE_AUTOGRAD", "1") != "0"
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the C++ nodes on or off in this process (benchmarks and tests compare the two)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def extension():
+    """The extension whose nodes an op call may use now, or None (off, the replay off or not
+    built, ``torch.compile`` tracing, a functorch transform active)."""
+    if not _ENABLED or _compiling() or _transforms_active():
+        return None
+    return host_replay.extension()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain(*tensors) -> bool:
+    """Whether ``tensors`` (None entries ignored) are plain tensors or parameters, not tensor
+    subclasses (DTensors, wrapper subclasses), which keep the Python functions."""
+    for t in tensors:  # (a loop: this runs on every op call)
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
+
+
+def table(recipe: host_replay.Recipe, python_backward) -> object:
+    """The node table of an op's forward recipe (made on first use): the recipes of the
+    backward variants seen so far, and ``python_backward``, the op's backward in Python that
+    the nodes call where they have no recipe (it returns the gradients, the id of the recipe
+    it ran or recorded, -1 if none, and what else the op's node needs)."""
+    if recipe.table is None:
+        recipe.table = host_replay.extension().OpTable(recipe.rid, recipe.device,
+                                                       python_backward)
+    return recipe.table
+
+
+def link():
+    """The C++ half of a :class:`~mhc_megatron.kernels.handoff.DxLink` (combine's gradient
+    handed to pre), or None where the extension is not loaded."""
+    ext = host_replay._extension
+    return None if ext is None else ext.Link()

@@ -1,0 +1,305 @@
+"""The ops' C++ autograd nodes (mhc_megatron.kernels.native_autograd).
+
+CPU: without the extension the ops keep their Python autograd functions, and the dx hand-off
+between combine and pre works through its Python half; tensor subclasses keep the Python
+functions; the nodes' source ships with the package. CUDA: a sublayer whose op calls run through the C++ nodes (their forward replayed,
+their backward first through the Python fallback, then replayed) gives the same bits as the
+Python autograd functions, in every variant the ops have; gradients the recipes were not
+recorded for (strided, undefined) take the fallback and still agree; saved-tensor hooks see
+the nodes' saved tensors; a second backward through a freed graph fails as autograd's does;
+an error raised in the fallback reaches the caller; the nodes under a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhc_megatron.kernels import host_replay, native_autograd
+from mhc_megatron.kernels.handoff import DxLink
+
+CUDA = torch.cuda.is_available()
+
+
+def test_the_handoff_works_without_the_extension(monkeypatch):
+    monkeypatch.setattr(host_replay, "_extension", None)
+    x = torch.randn(3, 4, requires_grad=True)
+    link = DxLink(x)
+    assert link.native is None and link.take() is None
+    g, h = torch.randn(3, 4), torch.randn(3, 2, 2)
+    link.park(g, h)
+    got = link.take()
+    assert got[0] is g and got[1] is h and link.take() is None
+
+
+def test_no_nodes_without_the_extension(monkeypatch):
+    monkeypatch.setattr(host_replay, "_extension", None)
+    monkeypatch.setattr(host_replay, "_unavailable", "no CUDA device")
+    assert native_autograd.extension() is None
+    native_autograd.set_enabled(False)
+    try:
+        assert not native_autograd.enabled()
+    finally:
+        native_autograd.set_enabled(True)
+
+
+def test_only_plain_tensors_take_the_nodes():
+    class Sub(torch.Tensor):
+        pass
+
+    t = torch.zeros(2)
+    assert native_autograd.plain(t, torch.nn.Parameter(torch.zeros(2)), None)
+    assert not native_autograd.plain(t, t.as_subclass(Sub))
+
+
+def test_the_node_sources_ship_with_the_package():
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["mhc_megatron.kernels"]
+    csrc = Path(host_replay.__file__).parent / "csrc"
+    for name in (*host_replay._SOURCES, "host_replay.h"):
+        assert (csrc / name).is_file(), name
+        assert any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns), (name, patterns)
+
+
+# ---- CUDA: the nodes against the Python autograd functions, bit for bit
+
+def _nodes_or_skip():
+    if not CUDA:
+        pytest.skip("needs CUDA (compiled Triton kernels)")
+    reason = host_replay.unavailable()
+    if reason is not None:
+        pytest.skip(f"the host replay is off here: {reason}")
+
+
+def _sublayer(variant: str, seed: int = 0, T: int = 37, C: int = 96, n: int = 4,
+              strided_grad: bool = False):
+    """One sublayer's ops forward and backward (as tests/test_host_replay.py's case), and the
+    names of their autograd nodes: ``(tensors, (pre's node, combine's node))``."""
+    from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.layers.streams import broadcast_streams
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    m = 2 * n + n * n
+    dev = "cuda"
+    phi = (0.02 * torch.randn(m, n * C, device=dev, generator=g)).requires_grad_()
+    alpha = torch.full((3,), 0.3, device=dev, requires_grad=True)
+    bias = (0.1 * torch.randn(m, device=dev, generator=g)).requires_grad_()
+    h = torch.randn(T, 1, C, device=dev, dtype=torch.bfloat16, generator=g)
+    if variant == "broadcast":
+        emb = h.requires_grad_()
+        x = broadcast_streams(emb, n).view(T, n, C)
+        leaf, n_arg = emb, None
+    else:
+        x = torch.randn(T, n * C, device=dev, dtype=torch.bfloat16,
+                        generator=g).requires_grad_()
+        leaf, n_arg = x, n
+    if variant == "main_grads":
+        for p in (phi, alpha, bias):
+            p.main_grad = torch.zeros_like(p)
+            p.grad_added_to_main_grad = False
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n_arg,
+                                             main_grads=variant == "main_grads")
+    f = y * 1.25
+    f_bias = (0.1 * torch.randn(C, device=dev, dtype=torch.bfloat16,
+                                generator=g)).requires_grad_() if variant == "bias" else None
+    x_in = x.detach().requires_grad_() if variant == "no_fold" else x
+    out = triton_mhc.combine(x_in, f, f_bias, h_res, h_post, n=n_arg)
+    names = (y.grad_fn.name(), out.grad_fn.name())
+    up = torch.randn(out.shape, device=dev, dtype=out.dtype, generator=g)
+    if strided_grad:  # an upstream gradient the recipes were not recorded for
+        up = torch.randn(*out.shape[:-1], 2 * out.shape[-1], device=dev, dtype=out.dtype,
+                         generator=g)[..., ::2]
+    grads = [up]
+    outputs = [out]
+    if variant == "dh_pre":
+        outputs.append(h_pre)
+        grads.append(torch.arange(n, device=dev, dtype=torch.float32).repeat(T, 1))
+    torch.autograd.backward(outputs, grads)
+    got = [t.grad for t in (leaf, phi, alpha, bias)]
+    if variant == "main_grads":
+        assert all(p.grad_added_to_main_grad for p in (phi, alpha, bias))
+        got = [leaf.grad] + [p.main_grad for p in (phi, alpha, bias)]
+    extra = [x_in.grad] if variant == "no_fold" else [f_bias.grad] if variant == "bias" else []
+    return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, *got, *extra)], names
+
+
+VARIANTS = ["fold", "no_fold", "dh_pre", "broadcast", "bias", "main_grads"]
+PYTHON_NODES = ("_PreFnBackward", "_CombineFnBackward")
+NATIVE_NODES = ("MHCPreBackward", "MHCCombineBackward")
+
+
+def _backward_recipes() -> int:
+    from mhc_megatron.kernels.triton_common import PLANS
+
+    return sum(r.table.backward_recipes() for p in PLANS.values()
+               for r in getattr(p, "recipes", {}).values() if r and r.table is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nodes_equal_the_python_functions(monkeypatch, variant):
+    _nodes_or_skip()
+    from mhc_megatron.kernels.triton_common import PLANS
+
+    monkeypatch.setattr(native_autograd, "_ENABLED", False)
+    PLANS.clear()
+    want, names = _sublayer(variant)  # the Python functions (records the recipes)
+    want_again, _ = _sublayer(variant, seed=1)
+    assert names == PYTHON_NODES
+    monkeypatch.setattr(native_autograd, "_ENABLED", True)
+    PLANS.clear()
+    first, names_first = _sublayer(variant)  # records (the Python functions)
+    fallback, names_fallback = _sublayer(variant)  # nodes: forward replayed, backward in Python
+    assert _backward_recipes() == 2  # pre's and combine's, recorded by the fallback
+    replayed, names_replayed = _sublayer(variant)  # nodes: both replayed
+    again, _ = _sublayer(variant, seed=1)
+    assert names_first == PYTHON_NODES
+    assert names_fallback == names_replayed == NATIVE_NODES
+    assert _backward_recipes() == 2  # no other variant met
+    for name, w, a, b, c in zip(range(99), want, first, fallback, replayed):
+        assert torch.equal(w, a) and torch.equal(w, b) and torch.equal(w, c), name
+    for w, a in zip(want_again, again):
+        assert torch.equal(w, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fold", "no_fold"])
+def test_gradients_the_recipes_were_not_recorded_for_take_the_fallback(monkeypatch, variant):
+    """A strided upstream gradient: the nodes' backward runs the Python path (which makes it
+    contiguous) and agrees with the Python functions given the same gradient."""
+    _nodes_or_skip()
+    monkeypatch.setattr(native_autograd, "_ENABLED", False)
+    want, _ = _sublayer(variant, strided_grad=True)
+    monkeypatch.setattr(native_autograd, "_ENABLED", True)
+    for _ in range(3):
+        got, names = _sublayer(variant, strided_grad=True)
+        for w, a in zip(want, got):
+            assert torch.equal(w, a)
+    assert names == NATIVE_NODES
+
+
+@pytest.mark.gpu
+def test_saved_tensor_hooks_see_the_nodes_saved_tensors():
+    """The nodes save through autograd's saved variables: a ``saved_tensors_hooks`` pair packs
+    each saved tensor once in forward and unpacks it in backward (what mhc_recompute and
+    activation offloading build on); results equal the run without hooks."""
+    _nodes_or_skip()
+    for _ in range(2):  # records, then the nodes with the backward fallback
+        want, names = _sublayer("fold")
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    def unpack(t):
+        unpacked.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        got, names = _sublayer("fold")
+    assert names == NATIVE_NODES
+    # pre: x, phi, alpha, bias, ht, rstd, h_pre; combine: x, f, f_bias (none), h_res, h_post;
+    # and y * 1.25 saves nothing of a tensor
+    assert len(packed) >= 11 and len(unpacked) == len(packed)
+    for w, a in zip(want, got):
+        assert torch.equal(w, a)
+
+
+@pytest.mark.gpu
+def test_a_second_backward_through_the_freed_graph_fails_as_autograds():
+    _nodes_or_skip()
+    from mhc_megatron.kernels import triton_mhc
+
+    T, C, n = 16, 64, 4
+    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    phi = (0.02 * torch.randn(2 * n + n * n, n * C, device="cuda")).requires_grad_()
+    alpha = torch.full((3,), 0.3, device="cuda", requires_grad=True)
+    bias = torch.zeros(2 * n + n * n, device="cuda", requires_grad=True)
+    for _ in range(3):
+        y, _, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+        out = triton_mhc.combine(x, y, None, h_res, h_post, n=n)
+        loss = out.float().sum()
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        x.grad = None
+        loss.backward()  # the retained graph runs again: the same gradient
+        assert torch.equal(first, x.grad)
+        x.grad = None
+    assert y.grad_fn.name() == "MHCPreBackward"
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+@pytest.mark.gpu
+def test_an_error_in_the_fallback_reaches_the_caller(monkeypatch):
+    _nodes_or_skip()
+    from mhc_megatron.kernels import triton_pre
+
+    for _ in range(2):
+        _sublayer("fold", T=19)  # the forward recipes, and the fallback's backward recipes
+    from mhc_megatron.kernels.triton_common import PLANS
+
+    for p in PLANS.values():  # the nodes must fall back again: drop their backward recipes
+        for r in getattr(p, "recipes", {}).values():
+            if r:
+                r.table = None
+
+    def broken(*args, **kwargs):
+        raise ValueError("the fallback's own error")
+
+    monkeypatch.setattr(triton_pre, "_pre_backward", broken)
+    with pytest.raises(RuntimeError, match="the fallback's own error"):
+        _sublayer("fold", T=19)
+
+
+@pytest.mark.gpu
+def test_nodes_under_cuda_graph_capture():
+    """A sublayer through the nodes captured in a CUDA graph (the backward falls back to the
+    Python path while capturing, which takes fresh temporaries): the graph's replay equals
+    eager, bit for bit, and eager after the capture still replays."""
+    _nodes_or_skip()
+    from mhc_megatron.kernels import triton_mhc
+
+    T, C, n = 64, 128, 4
+    m = 2 * n + n * n
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, generator=g)
+    phi = (0.02 * torch.randn(m, n * C, device="cuda", generator=g)).requires_grad_()
+    alpha = torch.full((3,), 0.3, device="cuda", requires_grad=True)
+    bias = torch.zeros(m, device="cuda", requires_grad=True)
+    names = []
+
+    def step():
+        x_ = x.detach().requires_grad_()
+        y, _, h_post, h_res = triton_mhc.pre(x_, phi, alpha, bias, 20, 1e-6, n=n)
+        out = triton_mhc.combine(x_, y, None, h_res, h_post, n=n)
+        names.append((y.grad_fn.name(), out.grad_fn.name()))
+        grads = torch.autograd.grad(out.float().sum(), (x_, phi))
+        return (out.detach(), *grads)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert names[-1] == NATIVE_NODES
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for e, c in zip(eager, captured):
+        assert torch.equal(e, c)
+    with torch.cuda.stream(side):
+        after = step()
+    torch.cuda.synchronize()
+    for e, a in zip(eager, after):
+        assert torch.equal(e, a)
+
