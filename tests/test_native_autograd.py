@@ -303,3 +303,45 @@ def test_nodes_under_cuda_graph_capture():
     for e, a in zip(eager, after):
         assert torch.equal(e, a)
 
+
+
+def _graph_node_names(root) -> list[str]:
+    """The names of every autograd node reachable from ``root``."""
+    seen, stack, names = set(), [root], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "mhc_recompute"])
+def test_a_megatron_models_sublayers_run_through_the_nodes(megatron_single_rank, recompute):
+    """In a Megatron GPT with mHC (the golden digest's model: 4 layers, local specs, Triton
+    kernels; global layer 1 reads the embeddings as broadcast streams), every sublayer's ops
+    take the C++ nodes once their forward is recorded, with and without ``mhc_recompute``."""
+    _nodes_or_skip()
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "gpu_child" / "model_step_digest.py"
+    spec = importlib.util.spec_from_file_location("model_step_digest", path)
+    digest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(digest)
+    model = digest._model(recompute)
+    seq, batch, vocab = digest.SEQ, digest.BATCH, digest.VOCAB
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    pos = torch.arange(seq, device="cuda").expand(batch, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device="cuda"), 1)[None, None]
+    for _ in range(2):  # records the forward, then the nodes (their backward falls back once)
+        loss = model(ids, pos, mask, labels=ids).float().mean()
+        names = _graph_node_names(loss.grad_fn)
+        loss.backward()
+    sublayers = 2 * digest.LAYERS
+    assert names.count("MHCPreBackward") == sublayers, names
+    assert names.count("MHCCombineBackward") == sublayers, names
+    assert not set(names) & set(PYTHON_NODES), names
