@@ -666,29 +666,15 @@ def launch_ab_rows(args) -> list[str]:
 
 
 @contextlib.contextmanager
-def host_replay_off():
-    """The ops' host work in Python (no replay from C++) while open."""
-    from mhc_megatron.kernels import host_replay
-
-    was = host_replay.enabled()
-    host_replay.set_enabled(False)
+def switched_off(module):
+    """``module``'s path off while open (``host_replay``: the ops' host work in Python;
+    ``native_autograd``: the ops' Python autograd functions, no C++ nodes)."""
+    was = module.enabled()
+    module.set_enabled(False)
     try:
         yield
     finally:
-        host_replay.set_enabled(was)
-
-
-@contextlib.contextmanager
-def native_autograd_off():
-    """The ops' Python autograd functions (no C++ autograd nodes) while open."""
-    from mhc_megatron.kernels import native_autograd
-
-    was = native_autograd.enabled()
-    native_autograd.set_enabled(False)
-    try:
-        yield
-    finally:
-        native_autograd.set_enabled(was)
+        module.set_enabled(was)
 
 
 def native_ab_rows(args) -> list[str]:
@@ -700,8 +686,10 @@ def native_ab_rows(args) -> list[str]:
     reason = host_replay.unavailable()
     if reason is not None:
         return [f"(no replay here: {reason})"]
+    from mhc_megatron.kernels import native_autograd
+
     return ab_rows(args, (("C++ nodes", contextlib.nullcontext),
-                          ("Python functions", native_autograd_off)))
+                          ("Python functions", lambda: switched_off(native_autograd))))
 
 
 def replay_ab_rows(args) -> list[str]:
@@ -712,7 +700,8 @@ def replay_ab_rows(args) -> list[str]:
     reason = host_replay.unavailable()
     if reason is not None:
         return [f"(no replay here: {reason})"]
-    return ab_rows(args, (("C++ replay", contextlib.nullcontext), ("Python", host_replay_off)))
+    return ab_rows(args, (("C++ replay", contextlib.nullcontext),
+                          ("Python", lambda: switched_off(host_replay))))
 
 
 def ab_rows(args, modes) -> list[str]:

@@ -637,3 +637,85 @@ class SavedAtIteration3:
         if run.returncode == 0:
             shutil.copytree(ckpt, dest)
         return run
+
+
+SUBLAYER_VARIANTS = ["fold", "no_fold", "dh_pre", "broadcast", "bias", "main_grads"]
+
+
+def skip_without_host_replay() -> None:
+    """Skip the calling test where the ops' host replay (and so their C++ autograd nodes)
+    cannot run: no CUDA, or the extension off or not built here."""
+    from mhc_megatron.kernels import host_replay
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (compiled Triton kernels)")
+    reason = host_replay.unavailable()
+    if reason is not None:
+        pytest.skip(f"the host replay is off here: {reason}")
+
+
+def sublayer_inputs(T: int, C: int, n: int) -> tuple:
+    """``(x [T, n*C] bf16, phi, alpha, bias)`` on CUDA for the Triton ops, all requiring grad."""
+    m = 2 * n + n * n
+    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    phi = (0.02 * torch.randn(m, n * C, device="cuda")).requires_grad_()
+    alpha = torch.full((3,), 0.3, device="cuda", requires_grad=True)
+    bias = torch.zeros(m, device="cuda", requires_grad=True)
+    return x, phi, alpha, bias
+
+
+def sublayer_ops_case(variant: str, seed: int = 0, T: int = 37, C: int = 96, n: int = 4,
+                      strided_grad: bool = False):
+    """One sublayer's Triton ops (pre, then combine of ``1.25 y``) forward and backward on CUDA
+    in ``variant`` (one of :data:`SUBLAYER_VARIANTS`; ``fold``: combine on pre's x, whose dx pass takes combine's; ``no_fold``:
+    combine on another x; ``dh_pre``: a gradient for ``h_pre`` too; ``broadcast``: global layer
+    1's broadcast streams; ``bias``: a sublayer bias; ``main_grads``: Megatron's
+    ``main_grad`` protocol, gradient-accumulation fusion), with a random upstream gradient
+    (``strided_grad``: a strided one). Returns ``(tensors, (pre's node name, combine's))``:
+    the outputs and every gradient, cloned."""
+    from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.layers.streams import broadcast_streams
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    m = 2 * n + n * n
+    dev = "cuda"
+    phi = (0.02 * torch.randn(m, n * C, device=dev, generator=g)).requires_grad_()
+    alpha = torch.full((3,), 0.3, device=dev, requires_grad=True)
+    bias = (0.1 * torch.randn(m, device=dev, generator=g)).requires_grad_()
+    h = torch.randn(T, 1, C, device=dev, dtype=torch.bfloat16, generator=g)
+    if variant == "broadcast":
+        emb = h.requires_grad_()
+        x = broadcast_streams(emb, n).view(T, n, C)
+        leaf, n_arg = emb, None
+    else:
+        x = torch.randn(T, n * C, device=dev, dtype=torch.bfloat16,
+                        generator=g).requires_grad_()
+        leaf, n_arg = x, n
+    if variant == "main_grads":
+        for p in (phi, alpha, bias):
+            p.main_grad = torch.zeros_like(p)
+            p.grad_added_to_main_grad = False
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n_arg,
+                                             main_grads=variant == "main_grads")
+    f = y * 1.25
+    f_bias = (0.1 * torch.randn(C, device=dev, dtype=torch.bfloat16,
+                                generator=g)).requires_grad_() if variant == "bias" else None
+    x_in = x.detach().requires_grad_() if variant == "no_fold" else x
+    out = triton_mhc.combine(x_in, f, f_bias, h_res, h_post, n=n_arg)
+    names = (y.grad_fn.name(), out.grad_fn.name())
+    up = torch.randn(out.shape, device=dev, dtype=out.dtype, generator=g)
+    if strided_grad:  # an upstream gradient the recipes were not recorded for
+        up = torch.randn(*out.shape[:-1], 2 * out.shape[-1], device=dev, dtype=out.dtype,
+                         generator=g)[..., ::2]
+    grads = [up]
+    outputs = [out]
+    if variant == "dh_pre":
+        outputs.append(h_pre)
+        grads.append(torch.arange(n, device=dev, dtype=torch.float32).repeat(T, 1))
+    torch.autograd.backward(outputs, grads)
+    got = [t.grad for t in (leaf, phi, alpha, bias)]
+    if variant == "main_grads":
+        assert all(p.grad_added_to_main_grad for p in (phi, alpha, bias))
+        got = [leaf.grad] + [p.main_grad for p in (phi, alpha, bias)]
+    extra = [x_in.grad] if variant == "no_fold" else [f_bias.grad] if variant == "bias" else []
+    return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, *got, *extra)], names

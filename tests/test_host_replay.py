@@ -7,7 +7,8 @@ anything the replay could not reproduce (an undeclared tensor, Triton's own laun
 returned input) registers no recipe; a failed build keeps the Python path and says why. CUDA: the four ops and a sublayer chained through
 autograd give the same bits replayed as on the Python path, in every variant the ops have
 (the combine's dx folded into pre's backward or not, ``dH_pre`` given, broadcast streams, a
-sublayer bias, gradient-accumulation fusion), and the replay runs (recipes registered).
+sublayer bias, gradient-accumulation fusion), and the replay runs (recipes registered);
+replayed ops under CUDA graph capture are tested in tests/test_native_autograd.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import (SUBLAYER_VARIANTS, skip_without_host_replay, sublayer_inputs,
+                     sublayer_ops_case)
 
 from mhc_megatron.kernels import host_replay, launch
 from mhc_megatron.kernels.launch import Launcher
@@ -200,7 +203,8 @@ def test_a_failed_build_keeps_the_python_path_and_says_why(monkeypatch):
     assert host_replay.unavailable() == "MHC_HOST_REPLAY=0"
 
 
-def test_the_host_replay_source_ships_with_the_package():
+def test_the_extension_sources_ship_with_the_package():
+    """The replay's and the autograd nodes' C++ sources are package data."""
     import fnmatch
     import tomllib
     from pathlib import Path
@@ -208,82 +212,29 @@ def test_the_host_replay_source_ships_with_the_package():
     root = Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["mhc_megatron.kernels"]
-    source = Path(host_replay.__file__).parent / "csrc" / "host_replay.cpp"
-    assert source.is_file()
-    assert any(fnmatch.fnmatch("csrc/host_replay.cpp", p) for p in patterns), patterns
+    csrc = Path(host_replay.__file__).parent / "csrc"
+    for name in (*host_replay._SOURCES, "host_replay.h"):
+        assert (csrc / name).is_file(), name
+        assert any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns), (name, patterns)
 
 
 # ---- CUDA: the replay against the Python path, bit for bit
 
-def _replay_or_skip():
-    if not CUDA:
-        pytest.skip("needs CUDA (compiled Triton kernels)")
-    reason = host_replay.unavailable()
-    if reason is not None:
-        pytest.skip(f"the host replay is off here: {reason}")
-
-
-def _sublayer_case(variant: str, seed: int = 0, T: int = 37, C: int = 96, n: int = 4):
-    """One sublayer's ops, forward and backward through autograd, in ``variant``; returns every
-    output and gradient."""
-    from mhc_megatron.kernels import triton_mhc
-    from mhc_megatron.layers.streams import broadcast_streams
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    m = 2 * n + n * n
-    dev = "cuda"
-    phi = (0.02 * torch.randn(m, n * C, device=dev, generator=g)).requires_grad_()
-    alpha = torch.full((3,), 0.3, device=dev, requires_grad=True)
-    bias = (0.1 * torch.randn(m, device=dev, generator=g)).requires_grad_()
-    h = torch.randn(T, 1, C, device=dev, dtype=torch.bfloat16, generator=g)
-    if variant == "broadcast":  # layer 1: the embeddings read as n equal streams
-        emb = h.requires_grad_()
-        x = broadcast_streams(emb, n).view(T, n, C)
-        leaf, n_arg = emb, None
-    else:
-        x = torch.randn(T, n * C, device=dev, dtype=torch.bfloat16,
-                        generator=g).requires_grad_()
-        leaf, n_arg = x, n
-    if variant == "main_grads":  # Megatron's DDP protocol, gradient_accumulation_fusion
-        for p in (phi, alpha, bias):
-            p.main_grad = torch.zeros_like(p)
-            p.grad_added_to_main_grad = False
-    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n_arg,
-                                             main_grads=variant == "main_grads")
-    f = y * 1.25
-    f_bias = (0.1 * torch.randn(C, device=dev, dtype=torch.bfloat16,
-                                generator=g)).requires_grad_() if variant == "bias" else None
-    x_in = x.detach().requires_grad_() if variant == "no_fold" else x  # combine on another x
-    out = triton_mhc.combine(x_in, f, f_bias, h_res, h_post, n=n_arg)
-    loss = out.float().square().sum()
-    if variant == "dh_pre":
-        loss = loss + (h_pre * torch.arange(n, device=dev)).sum()
-    loss.backward()
-    grads = [t.grad for t in (leaf, phi, alpha, bias)]
-    if variant == "main_grads":
-        grads = [leaf.grad] + [p.main_grad for p in (phi, alpha, bias)]
-    extra = [x_in.grad] if variant == "no_fold" else [f_bias.grad] if variant == "bias" else []
-    return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, *grads, *extra)]
-
-
-VARIANTS = ["fold", "no_fold", "dh_pre", "broadcast", "bias", "main_grads"]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", SUBLAYER_VARIANTS)
 def test_replay_equals_the_python_path(monkeypatch, variant):
-    _replay_or_skip()
+    skip_without_host_replay()
     from mhc_megatron.kernels.triton_common import PLANS
 
     monkeypatch.setattr(host_replay, "_ENABLED", False)
-    want = _sublayer_case(variant)
+    want = sublayer_ops_case(variant)[0]
     monkeypatch.setattr(host_replay, "_ENABLED", True)
     PLANS.clear()  # record afresh
-    recorded = _sublayer_case(variant)  # records (the Python path)
-    replayed = _sublayer_case(variant)  # replays
-    again = _sublayer_case(variant, seed=1)
+    recorded = sublayer_ops_case(variant)[0]  # records (the Python path)
+    replayed = sublayer_ops_case(variant)[0]  # replays
+    again = sublayer_ops_case(variant, seed=1)[0]
     monkeypatch.setattr(host_replay, "_ENABLED", False)
-    want_again = _sublayer_case(variant, seed=1)
+    want_again = sublayer_ops_case(variant, seed=1)[0]
     for w, a, b in zip(want, recorded, replayed):
         assert torch.equal(w, a) and torch.equal(w, b)
     for w, b in zip(want_again, again):
@@ -298,7 +249,7 @@ def test_replay_equals_the_python_path(monkeypatch, variant):
 def test_the_recompute_replays_equal_the_python_path(monkeypatch, layout):
     """mhc_recompute's two ops (the aggregate alone, and a combine fused with the next
     aggregate), replayed: the same bits as on the Python path, and their recipes registered."""
-    _replay_or_skip()
+    skip_without_host_replay()
     from mhc_megatron.kernels import triton_mhc
     from mhc_megatron.kernels.triton_common import PLANS
     from mhc_megatron.layers.streams import broadcast_streams
@@ -334,14 +285,11 @@ def test_the_recompute_replays_equal_the_python_path(monkeypatch, layout):
 def test_replayed_mappings_share_one_allocation():
     """pre's fp32 outputs replayed share one allocation and are tensors of their own (no view
     of each other), at offsets that do not overlap; the y they come with has its own."""
-    _replay_or_skip()
+    skip_without_host_replay()
     from mhc_megatron.kernels import triton_mhc
 
-    T, C, n = 40, 64, 4
-    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    phi = (0.02 * torch.randn(2 * n + n * n, n * C, device="cuda")).requires_grad_()
-    alpha = torch.full((3,), 0.3, device="cuda", requires_grad=True)
-    bias = torch.zeros(2 * n + n * n, device="cuda", requires_grad=True)
+    n = 4
+    x, phi, alpha, bias = sublayer_inputs(40, 64, n)
     for _ in range(3):  # records, then replays
         y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
         out = triton_mhc.combine(x, y, None, h_res, h_post, n=n)
@@ -354,38 +302,3 @@ def test_replayed_mappings_share_one_allocation():
     assert all(t.data_ptr() % 256 == 0 and t.is_contiguous() for t in maps)
     out.float().sum().backward()  # the grads flow as from separate allocations
     assert all(torch.isfinite(t.grad).all() for t in (x, phi, alpha, bias))
-
-
-@pytest.mark.gpu
-def test_replay_is_captured_by_cuda_graphs():
-    """A replayed sublayer captured in a CUDA graph: the graph's replay equals eager, bit for bit."""
-    _replay_or_skip()
-    from mhc_megatron.kernels import triton_mhc
-
-    T, C, n = 64, 128, 4
-    m = 2 * n + n * n
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, generator=g)
-    phi = 0.02 * torch.randn(m, n * C, device="cuda", generator=g)
-    alpha, bias = torch.full((3,), 0.3, device="cuda"), torch.zeros(m, device="cuda")
-
-    def step():
-        x_ = x.detach().requires_grad_()
-        y, _, h_post, h_res = triton_mhc.pre(x_, phi, alpha, bias, 20, 1e-6, n=n)
-        out = triton_mhc.combine(x_, y, None, h_res, h_post, n=n)
-        out.float().sum().backward()
-        return out.detach(), x_.grad
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # records, then replays, on this stream
-            eager = step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for e, c in zip(eager, captured):
-        assert torch.equal(e, c)

@@ -2,12 +2,13 @@
 
 CPU: without the extension the ops keep their Python autograd functions, and the dx hand-off
 between combine and pre works through its Python half; tensor subclasses keep the Python
-functions; the nodes' source ships with the package. CUDA: a sublayer whose op calls run through the C++ nodes (their forward replayed,
+functions. CUDA: a sublayer whose op calls run through the C++ nodes (their forward replayed,
 their backward first through the Python fallback, then replayed) gives the same bits as the
 Python autograd functions, in every variant the ops have; gradients the recipes were not
 recorded for (strided, undefined) take the fallback and still agree; saved-tensor hooks see
 the nodes' saved tensors; a second backward through a freed graph fails as autograd's does;
-an error raised in the fallback reaches the caller; the nodes under a CUDA graph capture.
+an error raised in the fallback reaches the caller; replayed ops under a CUDA graph capture,
+through the nodes and through the Python functions; a Megatron GPT's sublayers take the nodes.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import (SUBLAYER_VARIANTS, skip_without_host_replay, sublayer_inputs,
+                     sublayer_ops_case)
+
 from mhc_megatron.kernels import host_replay, native_autograd
 from mhc_megatron.kernels.handoff import DxLink
-
-CUDA = torch.cuda.is_available()
 
 
 def test_the_handoff_works_without_the_extension(monkeypatch):
@@ -52,83 +54,8 @@ def test_only_plain_tensors_take_the_nodes():
     assert not native_autograd.plain(t, t.as_subclass(Sub))
 
 
-def test_the_node_sources_ship_with_the_package():
-    import fnmatch
-    import tomllib
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["mhc_megatron.kernels"]
-    csrc = Path(host_replay.__file__).parent / "csrc"
-    for name in (*host_replay._SOURCES, "host_replay.h"):
-        assert (csrc / name).is_file(), name
-        assert any(fnmatch.fnmatch(f"csrc/{name}", p) for p in patterns), (name, patterns)
-
-
 # ---- CUDA: the nodes against the Python autograd functions, bit for bit
 
-def _nodes_or_skip():
-    if not CUDA:
-        pytest.skip("needs CUDA (compiled Triton kernels)")
-    reason = host_replay.unavailable()
-    if reason is not None:
-        pytest.skip(f"the host replay is off here: {reason}")
-
-
-def _sublayer(variant: str, seed: int = 0, T: int = 37, C: int = 96, n: int = 4,
-              strided_grad: bool = False):
-    """One sublayer's ops forward and backward (as tests/test_host_replay.py's case), and the
-    names of their autograd nodes: ``(tensors, (pre's node, combine's node))``."""
-    from mhc_megatron.kernels import triton_mhc
-    from mhc_megatron.layers.streams import broadcast_streams
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    m = 2 * n + n * n
-    dev = "cuda"
-    phi = (0.02 * torch.randn(m, n * C, device=dev, generator=g)).requires_grad_()
-    alpha = torch.full((3,), 0.3, device=dev, requires_grad=True)
-    bias = (0.1 * torch.randn(m, device=dev, generator=g)).requires_grad_()
-    h = torch.randn(T, 1, C, device=dev, dtype=torch.bfloat16, generator=g)
-    if variant == "broadcast":
-        emb = h.requires_grad_()
-        x = broadcast_streams(emb, n).view(T, n, C)
-        leaf, n_arg = emb, None
-    else:
-        x = torch.randn(T, n * C, device=dev, dtype=torch.bfloat16,
-                        generator=g).requires_grad_()
-        leaf, n_arg = x, n
-    if variant == "main_grads":
-        for p in (phi, alpha, bias):
-            p.main_grad = torch.zeros_like(p)
-            p.grad_added_to_main_grad = False
-    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n_arg,
-                                             main_grads=variant == "main_grads")
-    f = y * 1.25
-    f_bias = (0.1 * torch.randn(C, device=dev, dtype=torch.bfloat16,
-                                generator=g)).requires_grad_() if variant == "bias" else None
-    x_in = x.detach().requires_grad_() if variant == "no_fold" else x
-    out = triton_mhc.combine(x_in, f, f_bias, h_res, h_post, n=n_arg)
-    names = (y.grad_fn.name(), out.grad_fn.name())
-    up = torch.randn(out.shape, device=dev, dtype=out.dtype, generator=g)
-    if strided_grad:  # an upstream gradient the recipes were not recorded for
-        up = torch.randn(*out.shape[:-1], 2 * out.shape[-1], device=dev, dtype=out.dtype,
-                         generator=g)[..., ::2]
-    grads = [up]
-    outputs = [out]
-    if variant == "dh_pre":
-        outputs.append(h_pre)
-        grads.append(torch.arange(n, device=dev, dtype=torch.float32).repeat(T, 1))
-    torch.autograd.backward(outputs, grads)
-    got = [t.grad for t in (leaf, phi, alpha, bias)]
-    if variant == "main_grads":
-        assert all(p.grad_added_to_main_grad for p in (phi, alpha, bias))
-        got = [leaf.grad] + [p.main_grad for p in (phi, alpha, bias)]
-    extra = [x_in.grad] if variant == "no_fold" else [f_bias.grad] if variant == "bias" else []
-    return [t.detach().clone() for t in (y, h_pre, h_post, h_res, out, *got, *extra)], names
-
-
-VARIANTS = ["fold", "no_fold", "dh_pre", "broadcast", "bias", "main_grads"]
 PYTHON_NODES = ("_PreFnBackward", "_CombineFnBackward")
 NATIVE_NODES = ("MHCPreBackward", "MHCCombineBackward")
 
@@ -141,23 +68,23 @@ def _backward_recipes() -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", SUBLAYER_VARIANTS)
 def test_nodes_equal_the_python_functions(monkeypatch, variant):
-    _nodes_or_skip()
+    skip_without_host_replay()
     from mhc_megatron.kernels.triton_common import PLANS
 
     monkeypatch.setattr(native_autograd, "_ENABLED", False)
     PLANS.clear()
-    want, names = _sublayer(variant)  # the Python functions (records the recipes)
-    want_again, _ = _sublayer(variant, seed=1)
+    want, names = sublayer_ops_case(variant)  # the Python functions (records the recipes)
+    want_again, _ = sublayer_ops_case(variant, seed=1)
     assert names == PYTHON_NODES
     monkeypatch.setattr(native_autograd, "_ENABLED", True)
     PLANS.clear()
-    first, names_first = _sublayer(variant)  # records (the Python functions)
-    fallback, names_fallback = _sublayer(variant)  # nodes: forward replayed, backward in Python
+    first, names_first = sublayer_ops_case(variant)  # records (the Python functions)
+    fallback, names_fallback = sublayer_ops_case(variant)  # nodes: forward replayed, backward in Python
     assert _backward_recipes() == 2  # pre's and combine's, recorded by the fallback
-    replayed, names_replayed = _sublayer(variant)  # nodes: both replayed
-    again, _ = _sublayer(variant, seed=1)
+    replayed, names_replayed = sublayer_ops_case(variant)  # nodes: both replayed
+    again, _ = sublayer_ops_case(variant, seed=1)
     assert names_first == PYTHON_NODES
     assert names_fallback == names_replayed == NATIVE_NODES
     assert _backward_recipes() == 2  # no other variant met
@@ -172,12 +99,12 @@ def test_nodes_equal_the_python_functions(monkeypatch, variant):
 def test_gradients_the_recipes_were_not_recorded_for_take_the_fallback(monkeypatch, variant):
     """A strided upstream gradient: the nodes' backward runs the Python path (which makes it
     contiguous) and agrees with the Python functions given the same gradient."""
-    _nodes_or_skip()
+    skip_without_host_replay()
     monkeypatch.setattr(native_autograd, "_ENABLED", False)
-    want, _ = _sublayer(variant, strided_grad=True)
+    want, _ = sublayer_ops_case(variant, strided_grad=True)
     monkeypatch.setattr(native_autograd, "_ENABLED", True)
     for _ in range(3):
-        got, names = _sublayer(variant, strided_grad=True)
+        got, names = sublayer_ops_case(variant, strided_grad=True)
         for w, a in zip(want, got):
             assert torch.equal(w, a)
     assert names == NATIVE_NODES
@@ -188,9 +115,9 @@ def test_saved_tensor_hooks_see_the_nodes_saved_tensors():
     """The nodes save through autograd's saved variables: a ``saved_tensors_hooks`` pair packs
     each saved tensor once in forward and unpacks it in backward (what mhc_recompute and
     activation offloading build on); results equal the run without hooks."""
-    _nodes_or_skip()
+    skip_without_host_replay()
     for _ in range(2):  # records, then the nodes with the backward fallback
-        want, names = _sublayer("fold")
+        want, names = sublayer_ops_case("fold")
     packed, unpacked = [], []
 
     def pack(t):
@@ -202,7 +129,7 @@ def test_saved_tensor_hooks_see_the_nodes_saved_tensors():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        got, names = _sublayer("fold")
+        got, names = sublayer_ops_case("fold")
     assert names == NATIVE_NODES
     # pre: x, phi, alpha, bias, ht, rstd, h_pre; combine: x, f, f_bias (none), h_res, h_post;
     # and y * 1.25 saves nothing of a tensor
@@ -213,14 +140,11 @@ def test_saved_tensor_hooks_see_the_nodes_saved_tensors():
 
 @pytest.mark.gpu
 def test_a_second_backward_through_the_freed_graph_fails_as_autograds():
-    _nodes_or_skip()
+    skip_without_host_replay()
     from mhc_megatron.kernels import triton_mhc
 
-    T, C, n = 16, 64, 4
-    x = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    phi = (0.02 * torch.randn(2 * n + n * n, n * C, device="cuda")).requires_grad_()
-    alpha = torch.full((3,), 0.3, device="cuda", requires_grad=True)
-    bias = torch.zeros(2 * n + n * n, device="cuda", requires_grad=True)
+    n = 4
+    x, phi, alpha, bias = sublayer_inputs(16, 64, n)
     for _ in range(3):
         y, _, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
         out = triton_mhc.combine(x, y, None, h_res, h_post, n=n)
@@ -238,11 +162,11 @@ def test_a_second_backward_through_the_freed_graph_fails_as_autograds():
 
 @pytest.mark.gpu
 def test_an_error_in_the_fallback_reaches_the_caller(monkeypatch):
-    _nodes_or_skip()
+    skip_without_host_replay()
     from mhc_megatron.kernels import triton_pre
 
     for _ in range(2):
-        _sublayer("fold", T=19)  # the forward recipes, and the fallback's backward recipes
+        sublayer_ops_case("fold", T=19)  # the forward recipes, and the fallback's backward recipes
     from mhc_megatron.kernels.triton_common import PLANS
 
     for p in PLANS.values():  # the nodes must fall back again: drop their backward recipes
@@ -255,15 +179,18 @@ def test_an_error_in_the_fallback_reaches_the_caller(monkeypatch):
 
     monkeypatch.setattr(triton_pre, "_pre_backward", broken)
     with pytest.raises(RuntimeError, match="the fallback's own error"):
-        _sublayer("fold", T=19)
+        sublayer_ops_case("fold", T=19)
 
 
 @pytest.mark.gpu
-def test_nodes_under_cuda_graph_capture():
-    """A sublayer through the nodes captured in a CUDA graph (the backward falls back to the
-    Python path while capturing, which takes fresh temporaries): the graph's replay equals
-    eager, bit for bit, and eager after the capture still replays."""
-    _nodes_or_skip()
+@pytest.mark.parametrize("nodes", [True, False], ids=["C++ nodes", "Python functions"])
+def test_replayed_ops_under_cuda_graph_capture(monkeypatch, nodes):
+    """A replayed sublayer captured in a CUDA graph, through the C++ nodes (their backward
+    falls back to the Python path while capturing, which takes fresh temporaries) or the
+    Python functions: the graph's replay equals eager, bit for bit, and eager after the
+    capture still replays."""
+    skip_without_host_replay()
+    monkeypatch.setattr(native_autograd, "_ENABLED", nodes)
     from mhc_megatron.kernels import triton_mhc
 
     T, C, n = 64, 128, 4
@@ -289,7 +216,7 @@ def test_nodes_under_cuda_graph_capture():
         for _ in range(3):
             eager = step()
     torch.cuda.current_stream().wait_stream(side)
-    assert names[-1] == NATIVE_NODES
+    assert names[-1] == (NATIVE_NODES if nodes else PYTHON_NODES)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -302,7 +229,6 @@ def test_nodes_under_cuda_graph_capture():
     torch.cuda.synchronize()
     for e, a in zip(eager, after):
         assert torch.equal(e, a)
-
 
 
 def _graph_node_names(root) -> list[str]:
@@ -324,7 +250,7 @@ def test_a_megatron_models_sublayers_run_through_the_nodes(megatron_single_rank,
     """In a Megatron GPT with mHC (the golden digest's model: 4 layers, local specs, Triton
     kernels; global layer 1 reads the embeddings as broadcast streams), every sublayer's ops
     take the C++ nodes once their forward is recorded, with and without ``mhc_recompute``."""
-    _nodes_or_skip()
+    skip_without_host_replay()
     import importlib.util
     from pathlib import Path
 
