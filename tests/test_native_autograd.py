@@ -271,3 +271,25 @@ def test_a_megatron_models_sublayers_run_through_the_nodes(megatron_single_rank,
     assert names.count("MHCPreBackward") == sublayers, names
     assert names.count("MHCCombineBackward") == sublayers, names
     assert not set(names) & set(PYTHON_NODES), names
+
+
+def test_megatron_fsdp_parameters_keep_the_python_function_with_the_fusion(monkeypatch):
+    """With gradient-accumulation fusion a Megatron-FSDP parameter (``__fsdp_param__``; its
+    ``main_grad`` is allocated in backward) never takes the node, which would resolve the
+    buffer at forward; without the fusion it does."""
+    from types import SimpleNamespace
+
+    from mhc_megatron.kernels import triton_pre
+
+    applied = []
+    ext = SimpleNamespace(pre_apply=lambda *args: applied.append(args) or (None,) * 4)
+    monkeypatch.setattr(native_autograd, "extension", lambda: ext)
+    monkeypatch.setattr(triton_pre, "_pre_forward_call", lambda *args: (None, None, ()))
+    monkeypatch.setattr(host_replay, "recorded", lambda plan, key: SimpleNamespace(table=1))
+    x, phi, alpha, bias = (torch.zeros(2, 4 * 8), torch.zeros(24, 32), torch.zeros(3),
+                           torch.zeros(24))
+    phi.__fsdp_param__ = True
+    assert triton_pre._pre_native(x, phi, alpha, bias, 20, 1e-6, None, 4, triton_pre.PAPER,
+                                  main_grads=True) is None and not applied
+    assert triton_pre._pre_native(x, phi, alpha, bias, 20, 1e-6, None, 4, triton_pre.PAPER,
+                                  main_grads=False) is not None and len(applied) == 1

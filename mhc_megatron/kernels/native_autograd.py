@@ -26,7 +26,9 @@ transforms; elsewhere the ops keep their
 Python autograd functions. ``MHC_NATIVE_AUTOGRAD=0`` (or :func:`set_enabled`) turns the nodes
 off. A node's gradients for the parameters are added to Megatron's ``main_grad`` buffers as
 the Python function adds them (``gradient_accumulation_fusion``); the buffers are resolved
-when the forward runs.
+when the forward runs, which is right for Megatron's DDP (``main_grad`` is a fixed view of its
+gradient buffer); parameters of Megatron-FSDP, which allocates ``main_grad`` in backward, keep
+the Python function with that fusion.
 """
 
 from __future__ import annotations

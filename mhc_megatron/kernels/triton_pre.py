@@ -119,8 +119,15 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
     recipe = host_replay.recorded(p, key)
     if recipe is None:
         return None
-    mains = (_main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
-                                              bias.requires_grad)) if main_grads else None)
+    mains = None
+    if main_grads:
+        # Megatron DDP's main_grad is a fixed view of its gradient buffer, so the node takes
+        # it at forward; Megatron-FSDP's is allocated in backward (get_main_grad): its
+        # parameters keep the Python function, which reads main_grad in backward
+        if any(hasattr(t, "__fsdp_param__") for t in (phi, alpha, bias)):
+            return None
+        mains = _main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
+                                                 bias.requires_grad))
     table = recipe.table or native_autograd.table(recipe, functools.partial(
         _pre_native_backward, dims, bcast, int(iters), n_streams, (dsv4, transposed,
                                                                     float(form.eps))))
