@@ -26,7 +26,7 @@ using torch::autograd::variable_list;
 namespace mhc {
 namespace {
 
-// How autograd holds its nodes: std::shared_ptr (torch up to 2.13) or c10::intrusive_ptr.
+// How autograd holds its nodes: std::shared_ptr (torch 2.11) or c10::intrusive_ptr (torch 2.14).
 using NodePtr = decltype(torch::autograd::Edge{}.function);
 
 template <class N>
