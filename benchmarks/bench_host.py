@@ -210,11 +210,18 @@ def split_rows(args) -> list[str]:
     C++ replay alone (the recorded recipes run with the calls' tensors, every call of the
     case), per op and for ``ENGINE_DEPTH`` sublayers chained through autograd (per sublayer),
     medians of ``--rounds`` alternating rounds; and the host's own speed: an empty Python call
-    and one ``torch.empty`` of a mapping's size."""
-    from mhc_megatron.kernels import host_replay
+    and one ``torch.empty`` of a mapping's size. The ops run through their Python autograd
+    functions (the C++ nodes off: a node's replay is not a Python call to skip)."""
+    from mhc_megatron.kernels import host_replay, native_autograd
 
     if host_replay.unavailable() is not None:
         return [f"(no replay here: {host_replay.unavailable()})"]
+    with switched_off(native_autograd):
+        return _split_rows(args)
+
+
+def _split_rows(args) -> list[str]:
+    """:func:`split_rows`' measurement."""
     cases = op_cases(args.tokens, args.hidden)
     cases.append((f"one sublayer through autograd ({ENGINE_DEPTH} chained; per sublayer)",
                   sublayers_through_engine(args.tokens, args.hidden, ENGINE_DEPTH)))
