@@ -212,12 +212,22 @@ def split_rows(args) -> list[str]:
     medians of ``--rounds`` alternating rounds; and the host's own speed: an empty Python call
     and one ``torch.empty`` of a mapping's size. The ops run through their Python autograd
     functions (the C++ nodes off: a node's replay is not a Python call to skip)."""
-    from mhc_megatron.kernels import host_replay, native_autograd
+    from mhc_megatron.kernels import native_autograd
 
-    if host_replay.unavailable() is not None:
-        return [f"(no replay here: {host_replay.unavailable()})"]
+    no_replay = _no_replay_rows()
+    if no_replay:
+        return no_replay
     with switched_off(native_autograd):
         return _split_rows(args)
+
+
+def _no_replay_rows() -> list[str] | None:
+    """The row that says why the ops' host replay (and so their C++ nodes) cannot run here,
+    or None where it can."""
+    from mhc_megatron.kernels import host_replay
+
+    reason = host_replay.unavailable()
+    return None if reason is None else [f"(no replay here: {reason})"]
 
 
 def _split_rows(args) -> list[str]:
@@ -688,15 +698,11 @@ def native_ab_rows(args) -> list[str]:
     """``--native-ab``: the ops' C++ autograd nodes against their Python autograd functions,
     the replay on in both (see :func:`ab_rows`; the per-op rows call the Python functions
     directly in both modes, the chained sublayers and the model steps differ)."""
-    from mhc_megatron.kernels import host_replay
-
-    reason = host_replay.unavailable()
-    if reason is not None:
-        return [f"(no replay here: {reason})"]
     from mhc_megatron.kernels import native_autograd
 
-    return ab_rows(args, (("C++ nodes", contextlib.nullcontext),
-                          ("Python functions", lambda: switched_off(native_autograd))))
+    return _no_replay_rows() or ab_rows(
+        args, (("C++ nodes", contextlib.nullcontext),
+               ("Python functions", lambda: switched_off(native_autograd))))
 
 
 def replay_ab_rows(args) -> list[str]:
@@ -704,11 +710,9 @@ def replay_ab_rows(args) -> list[str]:
     :func:`ab_rows`)."""
     from mhc_megatron.kernels import host_replay
 
-    reason = host_replay.unavailable()
-    if reason is not None:
-        return [f"(no replay here: {reason})"]
-    return ab_rows(args, (("C++ replay", contextlib.nullcontext),
-                          ("Python", lambda: switched_off(host_replay))))
+    return _no_replay_rows() or ab_rows(
+        args, (("C++ replay", contextlib.nullcontext),
+               ("Python", lambda: switched_off(host_replay))))
 
 
 def ab_rows(args, modes) -> list[str]:

@@ -109,6 +109,11 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
     if ext is None or (link is not None and link.native is None) or not native_autograd.plain(
             x, phi, alpha, bias):
         return None
+    # Megatron DDP's main_grad is a fixed view of its gradient buffer, so the node takes it at
+    # forward; Megatron-FSDP's is allocated in backward (get_main_grad): its parameters keep
+    # the Python function, which reads main_grad in backward
+    if main_grads and any(hasattr(t, "__fsdp_param__") for t in (phi, alpha, bias)):
+        return None
     xk, bcast, dims, phi_k, alpha_k, bias_k, dsv4, transposed = _pre_operands(
         x, phi, alpha, bias, n_streams, form)
     if xk is not x or phi_k is not phi or alpha_k is not alpha or bias_k is not bias \
@@ -119,15 +124,8 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
     recipe = host_replay.recorded(p, key)
     if recipe is None:
         return None
-    mains = None
-    if main_grads:
-        # Megatron DDP's main_grad is a fixed view of its gradient buffer, so the node takes
-        # it at forward; Megatron-FSDP's is allocated in backward (get_main_grad): its
-        # parameters keep the Python function, which reads main_grad in backward
-        if any(hasattr(t, "__fsdp_param__") for t in (phi, alpha, bias)):
-            return None
-        mains = _main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
-                                                 bias.requires_grad))
+    mains = (_main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
+                                              bias.requires_grad)) if main_grads else None)
     table = recipe.table or native_autograd.table(recipe, functools.partial(
         _pre_native_backward, dims, bcast, int(iters), n_streams, (dsv4, transposed,
                                                                     float(form.eps))))
