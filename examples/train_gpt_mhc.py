@@ -304,6 +304,13 @@ def build_hybrid_model(config, args):
                        hybrid_layer_pattern=pattern, position_embedding_type="rope")
 
 
+def fused_on(params) -> bool:
+    """Whether AdamW runs as torch's fused kernels for ``params`` (all on CUDA): one launch
+    set for all parameters, as Megatron's fused Adam, instead of the multi-tensor path, whose
+    host time grows with the number of parameters (per parameter Python each step)."""
+    return all(p.is_cuda for p in params)
+
+
 class MasterWeightAdamW:
     """AdamW on fp32 master copies of bf16 weights (Megatron's mixed-precision optimiser,
     reduced to one rank): grads are copied up, clipped and applied in fp32, then the bf16
@@ -327,7 +334,7 @@ class MasterWeightAdamW:
             m.grad = torch.zeros_like(m)
         self.master_grads = [m.grad for _, m in self.low]
         self.clip = clip
-        self.inner = torch.optim.AdamW(master_groups, **adamw)
+        self.inner = torch.optim.AdamW(master_groups, fused=fused_on(self.master), **adamw)
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
@@ -398,7 +405,8 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
     adamw = dict(lr=args.lr, betas=(0.9, 0.95))
     groups = param_groups(model, 0.1, decay_1d)
     if args.precision == "fp32":
-        opt = torch.optim.AdamW(groups, **adamw)
+        opt = torch.optim.AdamW(groups, fused=fused_on(p for g in groups for p in g["params"]),
+                                **adamw)
         sched_opt = opt
     else:
         opt = MasterWeightAdamW(groups, clip=1.0, **adamw)
