@@ -302,3 +302,29 @@ def test_replayed_mappings_share_one_allocation():
     assert all(t.data_ptr() % 256 == 0 and t.is_contiguous() for t in maps)
     out.float().sum().backward()  # the grads flow as from separate allocations
     assert all(torch.isfinite(t.grad).all() for t in (x, phi, alpha, bias))
+
+
+@pytest.mark.gpu
+def test_one_stream_as_tokens_and_as_streams_keeps_each_layout():
+    """At n=1 the tokens ``[T, 1, C]`` and the streams ``[T, 1, 1*C]`` (``n=1`` given) have one
+    shape but y's differ (``[T, C]`` and ``[T, 1, C]``): each replays its own recipe, for pre,
+    the aggregate and the recompute's combine + aggregate, with the values of the reference."""
+    skip_without_host_replay()
+    from mhc_megatron.kernels import reference, triton_mhc
+
+    T, C = 24, 64
+    x, phi, alpha, bias = sublayer_inputs(T, C, 1)
+    x = x.detach().view(T, 1, C).requires_grad_()
+    f = torch.randn(T, 1, C, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):  # records, then replays, alternating the layouts
+        for n, y_shape in ((None, (T, C)), (1, (T, 1, C))):
+            y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+            want = reference.pre(x.detach().float(), phi, alpha, bias, 20, 1e-6)[0]
+            assert y.shape == y_shape
+            torch.testing.assert_close(y.float().view(T, C), want, atol=2e-2, rtol=2e-2)
+            with torch.no_grad():
+                assert triton_mhc.aggregate(x, h_pre, n=n).shape == y_shape
+                f_n = f.view(T, C) if n is None else f
+                out, y_next = triton_mhc.combine_aggregate(x, f_n, None, h_res, h_post, h_pre,
+                                                           n=n)
+            assert out.shape == x.shape and y_next.shape == y_shape

@@ -358,7 +358,8 @@ def combine_aggregate(x, f, f_bias, h_res, h_post, h_pre, n=None):
     p = plan(_CombinePlan, T, n_streams, C, f_bias is not None, bcast)
     inputs = (x, f, f_bias if f_bias is not None else f, h_res, h_post, h_pre)
     sig = signature(*inputs)
-    return host_replay.run(p, (sig, "forward and aggregate", x.shape), inputs, (),
+    # (x's shape and layout: y's, as in the aggregate's key)
+    return host_replay.run(p, (sig, "forward and aggregate", x.shape, n is None), inputs, (),
                            lambda: _combine_aggregate_kernels(p, sig, x, dims, f, f_bias, h_res,
                                                               h_post, h_pre, n))
 

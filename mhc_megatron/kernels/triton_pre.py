@@ -68,17 +68,18 @@ def _pre_operands(x, phi, alpha, bias, n_streams, form):
             transposed)
 
 
-def _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims, dsv4,
-                      transposed) -> tuple:
+def _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims, dsv4, transposed,
+                      n_streams) -> tuple:
     """``(plan, key, scratch)`` of pre's forward on its operands (T > 0): the plan, the
     recipe key (:func:`host_replay.run <mhc_megatron.kernels.host_replay.run>`: the
-    signature, the launches' other scalars, eps and the form's eps, and x's shape, which y's
-    follows: ``[..., C]`` for the streams ``[..., n*C]``, ``[T, C]`` for tokens ``[T, n, C]``)
-    and the reused temporaries."""
+    signature, the launches' other scalars, eps and the form's eps, and what y's shape
+    follows: x's shape and layout, ``[..., C]`` for the streams ``[..., n*C]`` (``n_streams``
+    given), ``[T, C]`` for tokens ``[T, n, C]``; at n=1 the two can share a shape) and the
+    reused temporaries."""
     T, n, C = dims
     p = plan(_PreForwardPlan, T, n, C, x.dtype, forced_precision(), bcast, dsv4, transposed)
     key = (signature(x, phi, alpha, bias, extra=(int(iters),)), float(eps), float(form.eps),
-           x.shape)
+           x.shape, n_streams is None)
     return p, key, p.scratch.tensors(x.device)
 
 
@@ -92,7 +93,7 @@ def _pre_forward(x, phi, alpha, bias, iters, eps, n_streams, form):
         y, h_pre, h_post, h_res, ht, rstd = _pre_forward_outputs(x, n_streams, dims)
     else:
         p, key, scratch = _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims,
-                                            dsv4, transposed)
+                                            dsv4, transposed, n_streams)
         y, h_pre, h_post, h_res, ht, rstd = host_replay.run(
             p, key, (x, phi, alpha, bias), scratch,
             lambda: _pre_forward_kernels(p, key[0], scratch, x, phi, alpha, bias, iters, eps,
@@ -120,7 +121,7 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
             or dims[0] == 0:
         return None
     p, key, scratch = _pre_forward_call(x, phi, alpha, bias, iters, eps, form, bcast, dims,
-                                        dsv4, transposed)
+                                        dsv4, transposed, n_streams)
     recipe = host_replay.recorded(p, key)
     if recipe is None:
         return None
@@ -356,9 +357,9 @@ def aggregate(x, h_pre, n=None):
         return torch.empty(aggregate_shape(x, n, C), device=x.device, dtype=x.dtype)
     h_pre = contiguous_f32(h_pre)
     sig = signature(x, h_pre)
-    # (the aggregate's own plan; x's shape: y's)
-    (y,) = host_replay.run(plan(_AggregatePlan, T, n_streams, C, bcast), (sig, x.shape),
-                           (x, h_pre), (),
+    # (the aggregate's own plan; x's shape and layout: y's)
+    (y,) = host_replay.run(plan(_AggregatePlan, T, n_streams, C, bcast),
+                           (sig, x.shape, n is None), (x, h_pre), (),
                            lambda: _aggregate_kernels(x, dims, h_pre, bcast, sig, n, C))
     return y
 
