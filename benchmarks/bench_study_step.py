@@ -8,7 +8,10 @@ The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params
 ``loss.item()``, on random bytes. The models are built side by side and timed in alternating
 rounds (``--rounds`` x ``--steps`` steps each, after warm-up): per run the median and
 minimum step time and the host time until the step returns (before ``loss.item()``); where
-the host time is as long as the step, the step is host-bound. ``--profile``: the GPU time a
+the host time is as long as the step, the step is host-bound. The ratio to the baseline is
+given twice: of the medians over all rounds, and paired, the median of the rounds' own ratios
+(each round's median step against the baseline's in that round), which a slow drift of the
+host's speed does not bias; many short rounds (``--rounds 20 --steps 3``) pair closest. ``--profile``: the GPU time a
 step (torch profiler, kernels only) and each run's top kernels. Extra arguments go to the
 example's parser (``--preset``, ``--precision`` ...).
 """
@@ -49,6 +52,13 @@ def make_step(model, args, data):
         return loss
 
     return step
+
+
+def paired_ratios(run: list[float], baseline: list[float]) -> list[float]:
+    """Each round's ratio of ``run``'s median step to the baseline's median step of the same
+    round (the runs alternate within a round, so a drift of the host's speed over minutes,
+    several per cent on some hosts, hits both terms of a ratio alike)."""
+    return [r / b for r, b in zip(run, baseline)]
 
 
 def profile_rows(steps: dict, count: int = 5, top: int = 12) -> list[str]:
@@ -94,28 +104,35 @@ def main(argv=None):
             step().item()
     wall = {name: [] for name in steps}
     host = {name: [] for name in steps}
+    round_medians = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
+            times = []
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 loss = step()
                 t1 = time.perf_counter()
                 loss.item()
-                wall[name].append(1e3 * (time.perf_counter() - t0))
+                times.append(1e3 * (time.perf_counter() - t0))
                 host[name].append(1e3 * (t1 - t0))
+            wall[name] += times
+            round_medians[name].append(statistics.median(times))
     base = statistics.median(wall["baseline"])
     sub = 2 * run_args.layers
     device = torch.cuda.get_device_name() if cuda else "CPU"
     lines = [f"{device}; torch {torch.__version__}; preset {run_args.preset}, "
              f"{run_args.precision}, {args.rounds} x {args.steps} steps a run", "",
              "| run | step ms, median | step ms, min | host ms until the step returns, median "
-             "| over the baseline | per sublayer over the baseline, us |",
-             "|---|---|---|---|---|---|"]
+             "| over the baseline | per sublayer over the baseline, us | over the baseline, "
+             "paired: median of the rounds' ratios (range) |",
+             "|---|---|---|---|---|---|---|"]
     for name in steps:
         med = statistics.median(wall[name])
+        paired = paired_ratios(round_medians[name], round_medians["baseline"])
         lines.append(f"| {name} | {med:.2f} | {min(wall[name]):.2f} | "
                      f"{statistics.median(host[name]):.2f} | {med / base:.3f}x | "
-                     f"{1e3 * (med - base) / sub:+.0f} |")
+                     f"{1e3 * (med - base) / sub:+.0f} | {statistics.median(paired):.3f}x "
+                     f"({min(paired):.3f}-{max(paired):.3f}) |")
     print("\n".join(lines), flush=True)
     if args.profile and cuda:
         rows = profile_rows(steps)

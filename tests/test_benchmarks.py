@@ -107,7 +107,7 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
 
 def test_bench_study_step_on_cpu(tmp_path):
     """The study step's table (smoke preset on CPU: the plumbing only): baseline, mHC and mHC +
-    recompute, each against the baseline."""
+    recompute, each against the baseline, also paired round by round."""
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
@@ -116,6 +116,8 @@ def test_bench_study_step_on_cpu(tmp_path):
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert [r[1].strip() for r in rows] == ["baseline", "mHC", "mHC + recompute"], rows
     assert rows[0][5].strip() == "1.000x" and all(float(r[2]) > 0 for r in rows)
+    # paired: the baseline against itself, round by round
+    assert rows[0][7].strip() == "1.000x (1.000-1.000)", rows[0]
 
 
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
