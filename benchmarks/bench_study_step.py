@@ -11,9 +11,13 @@ minimum step time and the host time until the step returns (before ``loss.item()
 the host time is as long as the step, the step is host-bound. The ratio to the baseline is
 given twice: of the medians over all rounds, and paired, the median of the rounds' own ratios
 (each round's median step against the baseline's in that round), which a slow drift of the
-host's speed does not bias; many short rounds (``--rounds 20 --steps 3``) pair closest. ``--profile``: the GPU time a
-step (torch profiler, kernels only) and each run's top kernels. Extra arguments go to the
-example's parser (``--preset``, ``--precision`` ...).
+host's speed does not bias; many short rounds (``--rounds 20 --steps 3``) pair closest.
+
+``--overlap``: each step's loss is read after the next step's work is issued, not right after
+its own step, so the host issues step k+1 while the GPU runs step k (a step's time is then the
+interval between two loss reads, its host time the part of it until its work is issued).
+``--profile``: the GPU time a step (torch profiler, kernels only) and each run's top kernels.
+Extra arguments go to the example's parser (``--preset``, ``--precision`` ...).
 """
 
 from __future__ import annotations
@@ -54,6 +58,42 @@ def make_step(model, args, data):
     return step
 
 
+def synced_steps(step, count: int, host: list) -> list[float]:
+    """``count`` steps, each loss read right after its step (the example's loop): the steps'
+    times in ms; their host times (until the step's work is issued) appended to ``host``."""
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        loss = step()
+        t1 = time.perf_counter()
+        loss.item()
+        times.append(1e3 * (time.perf_counter() - t0))
+        host.append(1e3 * (t1 - t0))
+    return times
+
+
+def overlapped_steps(step, count: int, host: list) -> list[float]:
+    """``count`` steps, each loss read after the next step's work is issued (``--overlap``):
+    the intervals between consecutive loss reads in ms, each step's host time appended to
+    ``host``. Two untimed steps first, so that every timed interval starts at a read made with
+    the next step already issued."""
+    previous = step()
+    loss = step()
+    previous.item()
+    previous, start = loss, time.perf_counter()
+    times = []
+    for _ in range(count):
+        loss = step()
+        issued = time.perf_counter()
+        previous.item()
+        previous, end = loss, time.perf_counter()
+        times.append(1e3 * (end - start))
+        host.append(1e3 * (issued - start))
+        start = end
+    previous.item()
+    return times
+
+
 def paired_ratios(run: list[float], baseline: list[float]) -> list[float]:
     """Each round's ratio of ``run``'s median step to the baseline's median step of the same
     round (the runs alternate within a round, so a drift of the host's speed over minutes,
@@ -84,6 +124,8 @@ def profile_rows(steps: dict, count: int = 5, top: int = 12) -> list[str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recompute", action="store_true", help="also mHC + mhc_recompute")
+    p.add_argument("--overlap", action="store_true",
+                   help="read each step's loss after the next step is issued")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
@@ -105,23 +147,19 @@ def main(argv=None):
     wall = {name: [] for name in steps}
     host = {name: [] for name in steps}
     round_medians = {name: [] for name in steps}
+    timed = overlapped_steps if args.overlap else synced_steps
     for _ in range(args.rounds):
         for name, step in steps.items():
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                loss = step()
-                t1 = time.perf_counter()
-                loss.item()
-                times.append(1e3 * (time.perf_counter() - t0))
-                host[name].append(1e3 * (t1 - t0))
+            times = timed(step, args.steps, host[name])
             wall[name] += times
             round_medians[name].append(statistics.median(times))
     base = statistics.median(wall["baseline"])
     sub = 2 * run_args.layers
     device = torch.cuda.get_device_name() if cuda else "CPU"
     lines = [f"{device}; torch {torch.__version__}; preset {run_args.preset}, "
-             f"{run_args.precision}, {args.rounds} x {args.steps} steps a run", "",
+             f"{run_args.precision}, {args.rounds} x {args.steps} steps a run, "
+             f"{'losses read a step later (--overlap)' if args.overlap else 'losses read at once'}",
+             "",
              "| run | step ms, median | step ms, min | host ms until the step returns, median "
              "| over the baseline | per sublayer over the baseline, us | over the baseline, "
              "paired: median of the rounds' ratios (range) |",

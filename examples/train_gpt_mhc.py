@@ -188,7 +188,8 @@ class Batches:
     def next(self):
         starts = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=self.gen)
         windows = torch.stack([self.data[s:s + self.seq + 1] for s in starts.tolist()])
-        windows = windows.to(self.device)
+        if torch.device(self.device).type == "cuda":  # pinned: the copy does not wait for the
+            windows = windows.pin_memory().to(self.device, non_blocking=True)  # GPU's queue
         return windows[:, :-1], windows[:, 1:]
 
 

@@ -120,6 +120,19 @@ def test_bench_study_step_on_cpu(tmp_path):
     assert rows[0][7].strip() == "1.000x (1.000-1.000)", rows[0]
 
 
+def test_bench_study_step_overlapped_loop_on_cpu(tmp_path):
+    """``--overlap``: the same table, the losses read a step later (the plumbing only)."""
+    out = tmp_path / "study.md"
+    run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
+                      "--precision", "fp32", "--rounds", "2", "--steps", "2", "--warmup", "1",
+                      "--overlap", "--out", str(out))
+    text = out.read_text()
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")][1:]
+    assert "losses read a step later" in text
+    assert [r[1].strip() for r in rows] == ["baseline", "mHC"], rows
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
+
+
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     """``--breakdown`` times the baseline, mHC and mHC with null ops (no kernels) side by
     side; ``--profile-models`` writes the per-step differences of the two models' profiles."""
