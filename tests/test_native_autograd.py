@@ -284,7 +284,8 @@ def test_megatron_fsdp_parameters_keep_the_python_function_with_the_fusion(monke
     applied = []
     ext = SimpleNamespace(pre_apply=lambda *args: applied.append(args) or (None,) * 4)
     monkeypatch.setattr(native_autograd, "extension", lambda: ext)
-    monkeypatch.setattr(triton_pre, "_pre_forward_call", lambda *args: (None, None, ()))
+    plan = SimpleNamespace(scratch=SimpleNamespace(reuse=False))  # (fresh temporaries: no site)
+    monkeypatch.setattr(triton_pre, "_pre_forward_call", lambda *args: (plan, None, ()))
     monkeypatch.setattr(host_replay, "recorded", lambda plan, key: SimpleNamespace(table=1))
     x, phi, alpha, bias = (torch.zeros(2, 4 * 8), torch.zeros(24, 32), torch.zeros(3),
                            torch.zeros(24))
@@ -293,3 +294,110 @@ def test_megatron_fsdp_parameters_keep_the_python_function_with_the_fusion(monke
                                   main_grads=True) is None and not applied
     assert triton_pre._pre_native(x, phi, alpha, bias, 20, 1e-6, None, 4, triton_pre.PAPER,
                                   main_grads=False) is not None and len(applied) == 1
+
+
+# ---- CUDA: call sites (the forward of a call like the last one, checked in C++)
+
+def _site_calls(params, seeds, T=37, C=96, n=4, layout="streams", bias=False):
+    """pre and the combine of ``1.25 y`` (+ a bias) on ``params`` for fresh inputs of each seed,
+    forward and backward: every output and gradient, cloned, per call."""
+    from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.layers.streams import broadcast_streams
+
+    phi, alpha, bias_p = params
+    results = []
+    for seed in seeds:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        if layout == "broadcast":
+            leaf = torch.randn(T, 1, C, device="cuda", dtype=torch.bfloat16,
+                               generator=g).requires_grad_()
+            x, n_arg = broadcast_streams(leaf, n).view(T, n, C), None
+        else:
+            leaf = torch.randn(T, n * C, device="cuda", dtype=torch.bfloat16,
+                               generator=g).requires_grad_()
+            x, n_arg = leaf, n
+        f_bias = (0.1 * torch.randn(C, device="cuda", dtype=torch.bfloat16, generator=g)
+                  ).requires_grad_() if bias else None
+        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias_p, 20, 1e-6, n=n_arg)
+        out = triton_mhc.combine(x, 1.25 * y, f_bias, h_res, h_post, n=n_arg)
+        out.backward(torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g))
+        grads = [t.grad.clone() for t in (leaf, *params, *([f_bias] if bias else []))]
+        results.append([out.detach().clone(), y.detach().clone(), *grads])
+        for t in params:
+            t.grad = None
+    return results
+
+
+def _site_params(n=4, C=96):
+    m = 2 * n + n * n
+    g = torch.Generator(device="cuda").manual_seed(7)
+    return ((0.02 * torch.randn(m, n * C, device="cuda", generator=g)).requires_grad_(),
+            torch.full((3,), 0.3, device="cuda", requires_grad=True),
+            (0.1 * torch.randn(m, device="cuda", generator=g)).requires_grad_())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,bias", [("streams", False), ("broadcast", False),
+                                         ("streams", True)])
+def test_call_sites_replay_the_same_bits(monkeypatch, layout, bias):
+    """Calls like the last one on the same parameters run from their call sites: pre's and
+    the combine's Python checks and lookups are skipped (never called once the sites exist),
+    and every output and gradient equals the Python functions' bit for bit."""
+    skip_without_host_replay()
+    from mhc_megatron.kernels import triton_combine, triton_pre
+
+    seeds = [0, 1, 2, 3]
+    monkeypatch.setattr(native_autograd, "_ENABLED", False)
+    want = _site_calls(_site_params(), seeds, layout=layout, bias=bias)
+    monkeypatch.setattr(native_autograd, "_ENABLED", True)
+    params = _site_params()
+    _site_calls(params, [9, 9], layout=layout, bias=bias)  # records; the nodes make the sites
+    assert native_autograd.site_of(params[0], (20, 1e-6, None if layout == "broadcast" else 4,
+                                               triton_pre.PAPER)) is not None
+    slow = []
+    for module, name in ((triton_pre, "_pre_operands"), (triton_combine, "_combine_operands")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _o=original, _n=name: slow.append(_n) or _o(*a))
+    got = _site_calls(params, seeds, layout=layout, bias=bias)
+    assert slow == [], slow  # every call from its sites
+    for w_call, g_call in zip(want, got):
+        for i, (w, a) in enumerate(zip(w_call, g_call)):
+            assert torch.equal(w, a), i
+
+
+@pytest.mark.gpu
+def test_calls_unlike_the_last_miss_their_call_site(monkeypatch):
+    """Another token count, a strided x, the launch plans cleared (the kernels' tiles changed):
+    the call misses its site and takes the op's Python path (with the same results as the
+    Python functions), and a call like it afterwards runs from a new site."""
+    skip_without_host_replay()
+    from mhc_megatron.kernels import triton_mhc, triton_pre
+    from mhc_megatron.kernels.triton_common import PLANS
+
+    params = _site_params()
+    monkeypatch.setattr(native_autograd, "_ENABLED", False)
+    want = {T: _site_calls(_site_params(), [5], T=T)[0] for T in (37, 40)}
+    monkeypatch.setattr(native_autograd, "_ENABLED", True)
+    _site_calls(params, [9, 9], T=37)
+    slow = []
+    original = triton_pre._pre_operands
+    monkeypatch.setattr(triton_pre, "_pre_operands", lambda *a: slow.append(1) or original(*a))
+
+    def python_calls(T):
+        """pre's Python checks run by one call with T tokens; its results against want's."""
+        before = len(slow)
+        got = _site_calls(params, [5], T=T)[0]
+        assert all(torch.equal(w, a) for w, a in zip(want[T], got))
+        return len(slow) - before
+
+    # (want's calls recorded both forward recipes: a miss takes the node path, a new site)
+    assert python_calls(40) > 0 and python_calls(40) == 0  # a miss, then its new site
+    assert python_calls(37) > 0 and python_calls(37) == 0  # a miss back, then its site
+    PLANS.clear()  # (as a change of the kernels' tiles does): the recipes go too
+    assert python_calls(37) > 0  # records (the Python function)
+    assert python_calls(37) > 0 and python_calls(37) == 0  # the node path, then its site
+    x = torch.randn(37, 2 * 4 * 96, device="cuda", dtype=torch.bfloat16)[:, ::2].detach()
+    before = len(slow)
+    y, *_ = triton_mhc.pre(x.requires_grad_(), *params, 20, 1e-6, n=4)
+    assert len(slow) > before and y.grad_fn.name() == "_PreFnBackward"  # (a copy: the function)

@@ -48,6 +48,7 @@ class DxLink:
         self.version = x._version
         self.claimed = False
         self.native = native_autograd.link()  # the C++ half, where the extension is loaded
+        self.site = None  # pre's call site (native_autograd.CallSite), for the combine's
         self._pending: tuple | None = None  # combine's (g [T, n, C], h_res [T, n, n] fp32)
 
     def park(self, g: torch.Tensor, h_res: torch.Tensor) -> None:

@@ -24,7 +24,17 @@ Used only where every condition of the replay holds and the op's inputs need no 
 mappings) and are plain tensors (no subclass), outside ``torch.compile`` and functorch
 transforms; elsewhere the ops keep their
 Python autograd functions. ``MHC_NATIVE_AUTOGRAD=0`` (or :func:`set_enabled`) turns the nodes
-off. A node's gradients for the parameters are added to Megatron's ``main_grad`` buffers as
+off.
+
+Call sites (:class:`CallSite`): a pre call that replayed through its node leaves, on its
+mapping parameter ``phi``, what it replayed (the node table and the temporaries) and what its
+operands were (dtype, shape, strides, device, stream); the next pre call on that ``phi`` with
+the same other arguments hands the site and its operands to the extension, which checks them
+in C++ and replays, without the op's Python checks, plan and recipe lookup. The combine that
+takes that pre's mappings (its ``x`` claimed by pre's link) keeps a site of its own beside
+it. A call whose operands differ in anything the recipe depends on (a shape, a dtype, a
+misaligned or strided operand, the device or stream), or that runs while a CUDA graph is
+being captured, misses the site and takes the op's Python path, which makes a new one. A node's gradients for the parameters are added to Megatron's ``main_grad`` buffers as
 the Python function adds them (``gradient_accumulation_fusion``); the buffers are resolved
 when the forward runs, which is right for Megatron's DDP (``main_grad`` is a fixed view of its
 gradient buffer); parameters of Megatron-FSDP, which allocates ``main_grad`` in backward, keep
@@ -34,11 +44,13 @@ the Python function with that fusion.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
 from mhc_megatron.kernels import host_replay
-from mhc_megatron.kernels.launch import _compiling
+from mhc_megatron.kernels.launch import _compiling, _signing_off
+from mhc_megatron.kernels.triton_common import PLANS
 
 _ENABLED = os.environ.get("MHC_NATIVE_AUTOGRAD", "1") != "0"
 _transforms_active = torch._C._are_functorch_transforms_active
@@ -90,3 +102,60 @@ def link():
     handed to pre), or None where the extension is not loaded."""
     ext = host_replay._extension
     return None if ext is None else ext.Link()
+
+
+class CallSite:
+    """A call site of pre (one mapping's ``phi``) and of the combine after it: ``pre`` and
+    ``combine`` are the extension's sites (``csrc/autograd_nodes.cpp``: ``Site``), ``args``
+    pre's other arguments ``(iterations, eps, n, form)``, ``combine_n`` the combine's ``n``;
+    ``generation``: the launch plans' (a change of the kernels' tiles ends every site)."""
+
+    __slots__ = ("phi", "args", "pre", "combine", "combine_n", "generation")
+
+    def __init__(self, phi: torch.Tensor, args: tuple, pre):
+        self.phi = weakref.ref(phi)
+        self.args = args
+        self.pre = pre
+        self.combine = None
+        self.combine_n = None
+        self.generation = PLANS.generation
+
+
+# id(phi) -> its CallSite (dropped with phi)
+_SITES: dict[int, CallSite] = {}
+
+
+def site_of(phi: torch.Tensor, args: tuple) -> CallSite | None:
+    """The call site pre's last call on ``phi`` made, if it was made with ``args`` and the
+    launches replay now (no launch hook set, not traced), else None."""
+    site = _SITES.get(id(phi))
+    if (site is None or site.phi() is not phi or site.args != args
+            or site.generation != PLANS.generation or _signing_off()):
+        return None
+    return site
+
+
+def remember_pre(phi: torch.Tensor, args: tuple, table, scratch, operands) -> CallSite:
+    """Make ``phi``'s call site from a pre call that just replayed ``table``'s forward recipe
+    with the plan's reused temporaries ``scratch`` on ``operands`` ``(x, phi, alpha, bias)``."""
+    key = id(phi)
+    if key not in _SITES:
+        weakref.finalize(phi, _SITES.pop, key, None)
+    site = _SITES[key] = CallSite(phi, args, host_replay.extension().Site(table, list(scratch),
+                                                                          list(operands)))
+    return site
+
+
+def remember_combine(site: CallSite, n, table, operands) -> None:
+    """Give ``site`` the combine's own, from a combine call that just replayed ``table``'s
+    forward recipe on ``operands`` ``(x, f, f_bias, h_res, h_post)`` with ``n``."""
+    site.combine = host_replay.extension().Site(table, [], list(operands))
+    site.combine_n = n
+
+
+def combine_site(site: CallSite | None, n):
+    """The extension's combine site of ``site`` for a combine with ``n``, or None."""
+    if (site is None or site.combine is None or site.combine_n != n
+            or site.generation != PLANS.generation or _signing_off()):
+        return None
+    return site.combine

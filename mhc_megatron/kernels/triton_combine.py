@@ -200,12 +200,20 @@ def _combine_forward(x, f, f_bias, h_res, h_post, n_streams):
 def _combine_native(x, f, f_bias, h_res, h_post, link, n_streams):
     """The combine through its C++ autograd node (:mod:`~mhc_megatron.kernels.native_autograd`):
     ``x'``, or None where it does not apply (no extension, no recipe of this forward yet, an
-    operand the op would copy or cast, no tokens)."""
+    operand the op would copy or cast, no tokens). A combine on the mappings of a pre that ran
+    from its call site replays from that site's combine where its operands match."""
     ext = native_autograd.extension()
     if ext is None or (link is not None and link.native is None) or (
             f_bias is not None and not f_bias.is_contiguous()) or not native_autograd.plain(
             x, f, f_bias, h_res, h_post):
         return None
+    native_link = None if link is None else link.native
+    site = None if link is None else link.site
+    at_site = native_autograd.combine_site(site, n_streams)
+    if at_site is not None:
+        out = ext.combine_site_apply(at_site, x, f, f_bias, h_res, h_post, native_link)
+        if out is not None:
+            return out
     xk, bcast, dims, fk, h_res_k, h_post_k = _combine_operands(x, f, h_res, h_post, n_streams)
     if xk is not x or fk is not f or h_res_k is not h_res or h_post_k is not h_post \
             or dims[0] == 0:
@@ -216,8 +224,10 @@ def _combine_native(x, f, f_bias, h_res, h_post, link, n_streams):
         return None
     table = recipe.table or native_autograd.table(
         recipe, functools.partial(_combine_native_backward, dims, bcast))
-    return ext.combine_apply(table, x, f, f_bias, h_res, h_post,
-                             None if link is None else link.native)
+    out = ext.combine_apply(table, x, f, f_bias, h_res, h_post, native_link)
+    if site is not None:
+        native_autograd.remember_combine(site, n_streams, table, (x, f, f_bias, h_res, h_post))
+    return out
 
 
 def _combine_native_backward(dims, bcast, x, f, f_bias, h_res, h_post, g, fold) -> tuple:

@@ -328,7 +328,19 @@ class KernelTiles:
         _SCRATCH_HELD.clear()  # and their temporaries go with them
 
 
-PLANS: dict = {}  # launch plans of the ops by (op, shape, dtype, precision): see plan()
+class _Plans(dict):
+    """The launch plans' dict; ``generation`` counts its clears, so that what was made from
+    the plans it held (the ops' call sites, :class:`~mhc_megatron.kernels.native_autograd.
+    CallSite`) can tell it is out of date."""
+
+    generation = 0
+
+    def clear(self):
+        super().clear()
+        self.generation += 1
+
+
+PLANS: _Plans = _Plans()  # launch plans of the ops by (op, shape, dtype, precision): see plan()
 # the reused temporaries' sets (Scratch): (Scratch, key) -> bytes, least recently used first
 _SCRATCH_HELD: OrderedDict = OrderedDict()
 TILES = KernelTiles()

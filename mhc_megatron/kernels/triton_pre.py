@@ -105,7 +105,9 @@ def _pre_forward(x, phi, alpha, bias, iters, eps, n_streams, form):
 def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_grads):
     """pre through its C++ autograd node (:mod:`~mhc_megatron.kernels.native_autograd`):
     ``(y, h_pre, h_post, h_res)``, or None where it does not apply (no extension, no recipe
-    of this forward yet, an operand the op would copy, no tokens)."""
+    of this forward yet, an operand the op would copy, no tokens). A call like the last one
+    on ``phi`` replays from its call site (:class:`~mhc_megatron.kernels.native_autograd.
+    CallSite`), the operands checked in C++."""
     ext = native_autograd.extension()
     if ext is None or (link is not None and link.native is None) or not native_autograd.plain(
             x, phi, alpha, bias):
@@ -115,6 +117,18 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
     # the Python function, which reads main_grad in backward
     if main_grads and any(hasattr(t, "__fsdp_param__") for t in (phi, alpha, bias)):
         return None
+    mains = (_main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
+                                              bias.requires_grad)) if main_grads else None)
+    args = (iters, eps, n_streams, form)
+    native_link = None if link is None else link.native
+    node_args = (native_link, list(mains or ()), (phi, alpha, bias) if mains else None)
+    site = native_autograd.site_of(phi, args)
+    if site is not None:
+        outs = ext.pre_site_apply(site.pre, x, phi, alpha, bias, *node_args)
+        if outs is not None:
+            if link is not None:
+                link.site = site
+            return tuple(outs)
     xk, bcast, dims, phi_k, alpha_k, bias_k, dsv4, transposed = _pre_operands(
         x, phi, alpha, bias, n_streams, form)
     if xk is not x or phi_k is not phi or alpha_k is not alpha or bias_k is not bias \
@@ -125,14 +139,15 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
     recipe = host_replay.recorded(p, key)
     if recipe is None:
         return None
-    mains = (_main_grads((phi, alpha, bias), (phi.requires_grad, alpha.requires_grad,
-                                              bias.requires_grad)) if main_grads else None)
     table = recipe.table or native_autograd.table(recipe, functools.partial(
         _pre_native_backward, dims, bcast, int(iters), n_streams, (dsv4, transposed,
                                                                     float(form.eps))))
-    return tuple(ext.pre_apply(table, x, phi, alpha, bias, scratch,
-                               None if link is None else link.native, list(mains or ()),
-                               (phi, alpha, bias) if mains else None))
+    outs = tuple(ext.pre_apply(table, x, phi, alpha, bias, scratch, *node_args))
+    if p.scratch.reuse and not torch.cuda.is_current_stream_capturing():  # (reused scratch)
+        site = native_autograd.remember_pre(phi, args, table, scratch, (x, phi, alpha, bias))
+        if link is not None:
+            link.site = site
+    return outs
 
 
 def _pre_native_backward(dims, bcast, iters, n_streams, form, x, phi, alpha, bias, ht, rstd,

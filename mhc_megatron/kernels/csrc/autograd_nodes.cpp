@@ -8,6 +8,8 @@
 // recipe), under the GIL.
 #include "host_replay.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -326,6 +328,81 @@ at::Tensor combine_apply(const std::shared_ptr<OpTable>& table, const at::Tensor
   return outs[0];
 }
 
+// A call site's forward: the table and scratch of the recipe its last call replayed, and what
+// that call's operands were (dtype, sizes, strides; the stream it ran on), so that a call with
+// operands like them replays the same recipe without the op's Python (checks, plan, key and
+// recipe lookup). Anything else (another shape or dtype, a misaligned or strided operand,
+// another device or stream, a CUDA graph being captured: fresh temporaries) is a miss, and the
+// op takes its Python path, which may make a new site.
+struct Site {
+  struct Operand {
+    bool defined = false;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> sizes, strides;
+  };
+
+  std::shared_ptr<OpTable> table;
+  std::vector<at::Tensor> scratch;
+  void* stream = nullptr;
+  std::vector<Operand> operands;
+
+  Site(std::shared_ptr<OpTable> table_, std::vector<at::Tensor> scratch_,
+       const std::vector<std::optional<at::Tensor>>& operands_)
+      : table(std::move(table_)), scratch(std::move(scratch_)),
+        stream(current_stream(table->device)) {
+    for (const auto& t : operands_) {
+      Operand o;
+      if (t.has_value() && t->defined()) {
+        o.defined = true;
+        o.dtype = t->scalar_type();
+        o.sizes = t->sizes().vec();
+        o.strides = t->strides().vec();
+      }
+      operands.push_back(std::move(o));
+    }
+  }
+
+  bool matches(std::initializer_list<const at::Tensor*> ts) const {
+    if (ts.size() != operands.size()) return false;
+    const int64_t device = table->device;
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    if (impl->getDevice().index() != device || current_stream(device) != stream) return false;
+    size_t i = 0;
+    for (const at::Tensor* t : ts) {
+      const Operand& o = operands[i++];
+      if (t->defined() != o.defined) return false;
+      if (!o.defined) continue;
+      if (!t->is_cuda() || t->get_device() != device || t->scalar_type() != o.dtype ||
+          t->sizes() != c10::IntArrayRef(o.sizes) || t->strides() != c10::IntArrayRef(o.strides) ||
+          (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15) != 0) {
+        return false;
+      }
+    }
+    return !capturing(stream, device);  // (captured calls take fresh temporaries)
+  }
+};
+
+// pre's forward at a call site: as pre_apply where the operands match the site, else None.
+std::optional<std::vector<at::Tensor>> pre_site_apply(
+    const Site& site, const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha,
+    const at::Tensor& bias, std::shared_ptr<Link> link, std::vector<at::Tensor> main_grads,
+    py::object params) {
+  if (!site.matches({&x, &phi, &alpha, &bias})) return std::nullopt;
+  return pre_apply(site.table, x, phi, alpha, bias, site.scratch, std::move(link),
+                   std::move(main_grads), std::move(params));
+}
+
+// The combine's forward at a call site: as combine_apply where the operands match, else None.
+std::optional<at::Tensor> combine_site_apply(const Site& site, const at::Tensor& x,
+                                             const at::Tensor& f,
+                                             const std::optional<at::Tensor>& f_bias,
+                                             const at::Tensor& h_res, const at::Tensor& h_post,
+                                             std::shared_ptr<Link> link) {
+  const at::Tensor bias = f_bias.has_value() ? *f_bias : at::Tensor();
+  if (!site.matches({&x, &f, &bias, &h_res, &h_post})) return std::nullopt;
+  return combine_apply(site.table, x, f, f_bias, h_res, h_post, std::move(link));
+}
+
 }  // namespace
 
 void bind_autograd_nodes(py::module& m) {
@@ -341,6 +418,14 @@ void bind_autograd_nodes(py::module& m) {
         if (!link.take(g, h_res)) return py::none();
         return py::make_tuple(g, h_res);
       });
+  py::class_<Site, std::shared_ptr<Site>>(m, "Site")
+      .def(py::init<std::shared_ptr<OpTable>, std::vector<at::Tensor>,
+                    const std::vector<std::optional<at::Tensor>>&>(),
+           py::arg("table"), py::arg("scratch"), py::arg("operands"));
+  m.def("pre_site_apply", &pre_site_apply,
+        "pre's forward at a call site, or None where its operands do not match the site");
+  m.def("combine_site_apply", &combine_site_apply,
+        "the combine's forward at a call site, or None where its operands do not match");
   m.def("pre_apply", &pre_apply, "pre's forward replayed, with a C++ autograd node");
   m.def("combine_apply", &combine_apply, "combine's forward replayed, with a C++ autograd node");
 }
