@@ -43,6 +43,9 @@ so wall time is host time:
 * ``--native-ab``: the ops' C++ autograd nodes
   (:mod:`mhc_megatron.kernels.native_autograd`) against their Python autograd functions, in
   this process, the two alternating, as ``--replay-ab``;
+* ``--site-ab``: the nodes' calls replayed from their call sites
+  (``native_autograd.CallSite``) against the same nodes reached through the ops' Python path
+  (``MHC_CALL_SITES=0``), as ``--replay-ab``;
 * ``--split``: with the replay on, each op call's host time as a whole, its Python alone (its
   allocations and launches skipped: the call returns the tensors a captured call returned) and
   its C++ replay alone (the recorded recipe run with the call's tensors), per op and for
@@ -705,6 +708,20 @@ def native_ab_rows(args) -> list[str]:
                ("Python functions", lambda: switched_off(native_autograd))))
 
 
+def site_ab_rows(args) -> list[str]:
+    """``--site-ab``: the C++ nodes' calls replayed from their call sites against the same
+    nodes called through the ops' Python path (see :func:`ab_rows`)."""
+    from types import SimpleNamespace
+
+    from mhc_megatron.kernels import native_autograd
+
+    sites = SimpleNamespace(enabled=native_autograd.sites_enabled,
+                            set_enabled=native_autograd.set_sites_enabled)
+    return _no_replay_rows() or ab_rows(
+        args, (("call sites", contextlib.nullcontext),
+               ("no call sites", lambda: switched_off(sites))))
+
+
 def replay_ab_rows(args) -> list[str]:
     """``--replay-ab``: the ops' host work replayed from C++ against the Python path (see
     :func:`ab_rows`)."""
@@ -822,6 +839,7 @@ def main(argv=None):
     p.add_argument("--grad-fusion", action="store_true")
     p.add_argument("--replay-ab", action="store_true")
     p.add_argument("--native-ab", action="store_true")
+    p.add_argument("--site-ab", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -887,6 +905,9 @@ def main(argv=None):
     if args.native_ab:
         lines += ["", "The ops' C++ autograd nodes against their Python autograd functions "
                   "(alternating rounds)", ""] + native_ab_rows(args)
+    if args.site_ab:
+        lines += ["", "The C++ nodes' calls from their call sites against the ops' Python path "
+                  "(alternating rounds)", ""] + site_ab_rows(args)
     if args.split:
         lines += ["", "Each op call's host time: its Python and its C++ replay (alternating "
                   "rounds)", ""] + split_rows(args)

@@ -53,6 +53,7 @@ from mhc_megatron.kernels.launch import _compiling, _signing_off
 from mhc_megatron.kernels.triton_common import PLANS
 
 _ENABLED = os.environ.get("MHC_NATIVE_AUTOGRAD", "1") != "0"
+_SITES_ENABLED = os.environ.get("MHC_CALL_SITES", "1") != "0"
 _transforms_active = torch._C._are_functorch_transforms_active
 
 
@@ -64,6 +65,17 @@ def set_enabled(enabled: bool) -> None:
 
 def enabled() -> bool:
     return _ENABLED
+
+
+def set_sites_enabled(enabled: bool) -> None:
+    """Turn the call sites (:class:`CallSite`) on or off in this process; off, every node call
+    takes the op's Python path (``MHC_CALL_SITES=0`` at start-up)."""
+    global _SITES_ENABLED
+    _SITES_ENABLED = bool(enabled)
+
+
+def sites_enabled() -> bool:
+    return _SITES_ENABLED
 
 
 def extension():
@@ -128,16 +140,20 @@ _SITES: dict[int, CallSite] = {}
 def site_of(phi: torch.Tensor, args: tuple) -> CallSite | None:
     """The call site pre's last call on ``phi`` made, if it was made with ``args`` and the
     launches replay now (no launch hook set, not traced), else None."""
-    site = _SITES.get(id(phi))
+    site = _SITES.get(id(phi)) if _SITES_ENABLED else None
     if (site is None or site.phi() is not phi or site.args != args
             or site.generation != PLANS.generation or _signing_off()):
         return None
     return site
 
 
-def remember_pre(phi: torch.Tensor, args: tuple, table, scratch, operands) -> CallSite:
+def remember_pre(phi: torch.Tensor, args: tuple, table, scratch,
+                 operands) -> CallSite | None:
     """Make ``phi``'s call site from a pre call that just replayed ``table``'s forward recipe
-    with the plan's reused temporaries ``scratch`` on ``operands`` ``(x, phi, alpha, bias)``."""
+    with the plan's reused temporaries ``scratch`` on ``operands`` ``(x, phi, alpha, bias)``
+    (None where the sites are off)."""
+    if not _SITES_ENABLED:
+        return None
     key = id(phi)
     if key not in _SITES:
         weakref.finalize(phi, _SITES.pop, key, None)
