@@ -46,6 +46,9 @@ so wall time is host time:
 * ``--site-ab``: the nodes' calls replayed from their call sites
   (``native_autograd.CallSite``) against the same nodes reached through the ops' Python path
   (``MHC_CALL_SITES=0``), as ``--replay-ab``;
+* ``--hooks-ab``: ``mhc_recompute``'s saved-tensor hooks in C++ (the extension's
+  ``SavedRanges``) against the same in Python (``MHC_RECOMPUTE_NATIVE_HOOKS=0``), as
+  ``--replay-ab``;
 * ``--split``: with the replay on, each op call's host time as a whole, its Python alone (its
   allocations and launches skipped: the call returns the tensors a captured call returned) and
   its C++ replay alone (the recorded recipe run with the call's tensors), per op and for
@@ -722,6 +725,19 @@ def site_ab_rows(args) -> list[str]:
                ("no call sites", lambda: switched_off(sites))))
 
 
+def hooks_ab_rows(args) -> list[str]:
+    """``--hooks-ab``: ``mhc_recompute``'s saved-tensor hooks in C++ against the same hooks in
+    Python (see :func:`ab_rows`; only the recompute's model step differs)."""
+    from types import SimpleNamespace
+
+    from mhc_megatron.recompute import manager
+
+    hooks = SimpleNamespace(enabled=manager.native_hooks, set_enabled=manager.set_native_hooks)
+    return _no_replay_rows() or ab_rows(
+        args, (("C++ hooks", contextlib.nullcontext),
+               ("Python hooks", lambda: switched_off(hooks))))
+
+
 def replay_ab_rows(args) -> list[str]:
     """``--replay-ab``: the ops' host work replayed from C++ against the Python path (see
     :func:`ab_rows`)."""
@@ -840,6 +856,7 @@ def main(argv=None):
     p.add_argument("--replay-ab", action="store_true")
     p.add_argument("--native-ab", action="store_true")
     p.add_argument("--site-ab", action="store_true")
+    p.add_argument("--hooks-ab", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -908,6 +925,9 @@ def main(argv=None):
     if args.site_ab:
         lines += ["", "The C++ nodes' calls from their call sites against the ops' Python path "
                   "(alternating rounds)", ""] + site_ab_rows(args)
+    if args.hooks_ab:
+        lines += ["", "mhc_recompute's saved-tensor hooks in C++ against Python (alternating "
+                  "rounds)", ""] + hooks_ab_rows(args)
     if args.split:
         lines += ["", "Each op call's host time: its Python and its C++ replay (alternating "
                   "rounds)", ""] + split_rows(args)

@@ -7,13 +7,24 @@ import math
 
 import pytest
 import torch
-from helpers import batch, build_gpt, lm_loss, moe_overrides, needs_te, tiny_config
+from helpers import (batch, build_gpt, lm_loss, moe_overrides, needs_te,
+                     skip_without_host_replay, tiny_config)
 
 from mhc_megatron.recompute import MHCRecomputeManager, manager_for
 from mhc_testing.cpu import setup_cpu_megatron
 
 LAYERS = 4
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _use_hooks(monkeypatch, hooks: str) -> None:
+    """The blocks' saved-tensor hooks: ``python`` (manager.py's) or ``native`` (the host
+    replay extension's; the test is skipped where it is not built)."""
+    from mhc_megatron.recompute import manager as rc
+
+    if hooks == "native":
+        skip_without_host_replay()
+    monkeypatch.setattr(rc, "_NATIVE_HOOKS", hooks == "native")
 
 
 def _grads(cfg, seed=7, data_seed=3, te=False):
@@ -93,9 +104,13 @@ def test_dropout_and_selective_core_attn_recompute(megatron_single_rank):
     _assert_same(plain, rec)
 
 
-def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
+@pytest.mark.parametrize("hooks", ["python", "native"])
+def test_block_internal_streams_are_freed_after_forward(megatron_single_rank, monkeypatch,
+                                                        hooks):
     """After forward, only block inputs keep their n-stream tensors: every other recorded
-    output's storage is gone (not merely untouched) until backward recomputes it."""
+    output's storage is gone (not merely untouched) until backward recomputes it. With the
+    saved-tensor hooks in Python and in C++ (the host replay extension's, where built)."""
+    _use_hooks(monkeypatch, hooks)
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2)
     setup_cpu_megatron(seed=1)
     model = build_gpt(cfg, DEV)
@@ -122,15 +137,17 @@ def test_block_internal_streams_are_freed_after_forward(megatron_single_rank):
         streams = [op for op, (fn, _, _) in enumerate(st.ops)
                    if fn.__name__ in ("_reference_combine", "combine")]
         last = max(streams)
-        for key, (op, index, _) in st.registry.items():
+        entries = st.ranges.entries()
+        assert entries
+        for op, index, expired in entries:
             if op in streams and op != last:
-                assert key.expired(), f"block {st.block_id}: streams of op {op} still stored"
+                assert expired, f"block {st.block_id}: streams of op {op} still stored"
             if op not in streams and index == 0:  # pre's y = the sublayer input
-                assert key.expired(), f"block {st.block_id}: y of op {op} still stored"
+                assert expired, f"block {st.block_id}: y of op {op} still stored"
         # a block's last streams are the next block's input: stored (the last block's are
         # only summed by the final norm, which saves nothing of them)
         if st is not states[-1]:
-            assert not [k for k, v in st.registry.items() if v[0] == last][0].expired()
+            assert not [e for e in entries if e[0] == last][0][2]
     freed_before = manager.blocks_recomputed
     loss.backward()
     assert manager.blocks_recomputed == freed_before + 2
@@ -190,11 +207,14 @@ def test_hook_work_per_saved_tensor_is_one_range_check(megatron_single_rank, mon
     address range may take the costly path (a storage weakref and a dict lookup); all others
     are rejected by one bisect of the ranges. Bound: costly lookups <= the saved tensors that
     become placeholders + the tensor arguments of the recorded ops (which are looked up too)
-    + one per registered output (an address reused after its storage was freed)."""
+    + one per registered output (an address reused after its storage was freed). The Python
+    hooks (the C++ ones make the same decisions: test_native_ranges_look_up_as_python's)."""
     from mhc_megatron.recompute import manager as rc
 
+    _use_hooks(monkeypatch, "python")
     counts = {"packs": 0, "hits": 0, "args": 0, "outputs": 0}
-    pack, record = rc._BlockState.pack, rc._BlockState.record
+    states = []
+    pack, record = rc._AddressRanges.pack, rc._BlockState.record
 
     def counting_pack(self, t):
         out = pack(self, t)
@@ -205,9 +225,11 @@ def test_hook_work_per_saved_tensor_is_one_range_check(megatron_single_rank, mon
     def counting_record(self, fn, args, kwargs, outputs):
         counts["args"] += sum(isinstance(a, torch.Tensor) for a in args)
         counts["outputs"] += len(outputs) if isinstance(outputs, tuple) else 1
+        if self not in states:
+            states.append(self)
         return record(self, fn, args, kwargs, outputs)
 
-    monkeypatch.setattr(rc._BlockState, "pack", counting_pack)
+    monkeypatch.setattr(rc._AddressRanges, "pack", counting_pack)
     monkeypatch.setattr(rc._BlockState, "record", counting_record)
     setup_cpu_megatron(seed=1)
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
@@ -215,13 +237,120 @@ def test_hook_work_per_saved_tensor_is_one_range_check(megatron_single_rank, mon
     model = build_gpt(cfg, DEV)
     data = batch(device=DEV, seed=0)
     lm_loss(model, data).backward()
-    manager = manager_for(cfg)
-    manager.full_lookups = 0
+    states.clear()
     counts.update(packs=0, hits=0, args=0, outputs=0)
     lm_loss(model, data).backward()
+    full_lookups = sum(st.ranges.full_lookups for st in states)
     assert counts["hits"] > 0 and counts["packs"] > 10 * counts["hits"], counts
-    assert manager.full_lookups <= counts["hits"] + counts["args"] + counts["outputs"], \
-        (manager.full_lookups, counts)
+    assert full_lookups <= counts["hits"] + counts["args"] + counts["outputs"], \
+        (full_lookups, counts)
+
+
+def test_native_ranges_look_up_as_python():
+    """The C++ saved-tensor hooks (the host replay extension's ``SavedRanges``) against the
+    Python ones (manager.py's ``_AddressRanges``, the reference) on the same tensors: an
+    output and views of it (offset, strided, reshaped), another dtype on its storage, a tensor
+    elsewhere, a CPU tensor, a tensor subclass, an output freed and its address reused, a
+    registration over a freed range; lookups, pack (the tensor itself, or ``on_hit``'s
+    result), unpack, and the ranges held."""
+    skip_without_host_replay()
+    import weakref
+
+    from mhc_megatron.kernels import host_replay
+    from mhc_megatron.recompute import manager as rc
+
+    ext = host_replay.extension()
+
+    class Block:  # (a weak reference target)
+        pass
+
+    block = Block()
+    hits = []
+
+    def on_hit(ref, t, op, index):
+        assert ref() is block
+        hits.append((op, index))
+        return ("placeholder", op, index)
+
+    class Sub(torch.Tensor):  # (no Python dispatch: a view of its storage like any other)
+        pass
+
+    from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass
+
+    def run(cls):
+        ranges = cls(weakref.ref(block), on_hit)
+        a = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty(64, 16, device="cuda", dtype=torch.float32)
+        ranges.add(a, 0, 0)
+        ranges.add(b, 3, 2)
+        elsewhere = torch.empty(100, device="cuda", dtype=torch.bfloat16)
+        queries = [a, a[17:], a.view(64, 64)[:, 5], a.view(2, 2048).t(), a.view(torch.float16),
+                   b, b.t(), b[3], elsewhere, torch.empty(8), a.as_subclass(Sub),
+                   TwoTensor(a, a)]
+        looked = [ranges.lookup(t) for t in queries]
+        packed = [ranges.pack(t) for t in queries]
+        packed = [p if isinstance(p, tuple) else p is q for p, q in zip(packed, queries)]
+        a_address = a.data_ptr()
+        del a, queries
+        reused = torch.empty(4096, device="cuda", dtype=torch.bfloat16)  # (the cached block)
+        after_free = (reused.data_ptr() == a_address, ranges.lookup(reused))
+        entries_freed = sorted(ranges.entries())
+        ranges.add(reused, 5, 1)
+        return (looked, packed, after_free, entries_freed, sorted(ranges.entries()),
+                ranges.lookup(reused))
+
+    for result in (run(rc._AddressRanges), run(ext.SavedRanges)):
+        looked, packed, (same_address, freed_lookup), entries_freed, entries, reused = result
+        assert looked == [(0, 0)] * 4 + [None] + [(3, 2)] * 3 + [None, None, (0, 0), None]
+        assert packed == [("placeholder", 0, 0)] * 4 + [True] + [("placeholder", 3, 2)] * 3 \
+            + [True, True, ("placeholder", 0, 0), True]
+        assert freed_lookup is None  # the freed output's range: expired, whatever the address
+        assert entries_freed == [(0, 0, True), (3, 2, False)]
+        # the new output replaces the expired range where it took its address
+        assert entries == ([] if same_address else [(0, 0, True)]) + [(3, 2, False),
+                                                                       (5, 1, False)]
+        assert reused == (5, 1)
+    assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_native_hooks_decide_as_python(megatron_single_rank, monkeypatch, kind):
+    """A model step with the C++ saved-tensor hooks against the same step with the Python
+    ones: per block, the same ops' outputs become placeholders and the same outputs are held
+    after forward; the same loss and gradients."""
+    skip_without_host_replay()
+    from mhc_megatron.recompute import manager as rc
+
+    extra = moe_overrides() if kind == "moe" else {}
+    runs = {}
+    for hooks in ("python", "native"):
+        _use_hooks(monkeypatch, hooks)
+        states = []
+        init = rc._BlockState.__init__
+
+        def spy(self, *args, init=init, states=states, **kwargs):
+            init(self, *args, **kwargs)
+            states.append(self)
+
+        monkeypatch.setattr(rc._BlockState, "__init__", spy)
+        setup_cpu_megatron(seed=7)
+        cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
+                          **extra)
+        model = build_gpt(cfg, DEV)
+        loss = lm_loss(model, batch(device=DEV, seed=3))
+        blocks = [(st.block_id, sorted(st.packed_ops),
+                   sorted((op, index) for op, index, expired in st.ranges.entries()
+                          if not expired), type(st.ranges).__name__) for st in states]
+        loss.backward()
+        monkeypatch.setattr(rc._BlockState, "__init__", init)
+        runs[hooks] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                       model), blocks
+    (python, python_blocks), (native, native_blocks) = runs["python"], runs["native"]
+    assert {b[3] for b in python_blocks} == {"_AddressRanges"}
+    assert {b[3] for b in native_blocks} == {"SavedRanges"}
+    assert [b[:3] for b in native_blocks] == [b[:3] for b in python_blocks]
+    assert all(b[1] for b in python_blocks)
+    _assert_same(python, native)
 
 
 def test_manager_is_shared_per_config_and_validates():

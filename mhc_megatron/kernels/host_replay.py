@@ -69,9 +69,10 @@ _DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, t
 _SHARED_ALIGN = 256  # bytes: the offsets of tensors sharing an allocation (Triton's kernels
 # were specialised on 16-byte aligned pointers; 256 as the allocator's own blocks)
 
-# the extension's sources (csrc/): the replay, and the ops' autograd nodes built on it
-# (:mod:`~mhc_megatron.kernels.native_autograd`)
-_SOURCES = ("host_replay.cpp", "autograd_nodes.cpp")
+# the extension's sources (csrc/): the replay, the ops' autograd nodes built on it
+# (:mod:`~mhc_megatron.kernels.native_autograd`), and mhc_recompute's saved-tensor hooks
+# (:mod:`mhc_megatron.recompute.manager`)
+_SOURCES = ("host_replay.cpp", "autograd_nodes.cpp", "saved_ranges.cpp")
 
 _ENABLED = os.environ.get("MHC_HOST_REPLAY", "1") != "0"
 _extension = None  # the built module, once loaded

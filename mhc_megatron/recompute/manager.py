@@ -20,7 +20,11 @@ can still run inside them.
 
 Mechanism: ``torch.autograd.graph.saved_tensors_hooks`` around each layer's forward (the
 same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved tensors
-to recorded op outputs by their storage. It therefore does not use Megatron's
+to recorded op outputs by their storage. The hooks run for every tensor a layer saves, most of
+them the sublayers' own: where the host replay extension is built they are its C++
+``SavedRanges`` (no Python frame for a tensor that is no recorded output), else the same
+lookup in Python (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or
+:func:`set_native_hooks` chooses it). It therefore does not use Megatron's
 ``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8 context is entered,
 op arguments may be any Python values, and outputs that need no gradient are fine (a
 tensor nobody saves is never recomputed).
@@ -35,6 +39,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import contextvars
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -77,6 +82,115 @@ class _Placeholder:
     block: "_BlockState"
     view: _OutputView
 
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor, recomputed (with its block, once)."""
+        return self.view.resolve(self.block.recompute())
+
+
+class _AddressRanges:
+    """The storages of a block's recorded op outputs by address range, in Python (where the
+    host replay extension is not built; else its ``SavedRanges``, the same decisions in C++):
+    ``add`` registers an output, ``lookup`` finds the output a tensor is (a view of), ``pack``
+    is the block's saved-tensor pack hook, ``entries`` lists ``(op, index, expired)``.
+
+    The address ranges are sorted by start: a saved tensor whose data pointer falls in none of
+    them (most of a sublayer's, e.g. an MoE layer's hundreds) is rejected with one bisect,
+    without building a storage weakref. A range that a new registration overlaps has expired
+    (live storages do not overlap) and is dropped then, so the range a pointer falls in is the
+    only one that can hold it."""
+
+    def __init__(self, block_ref: weakref.ref, on_hit: Callable):
+        self.block_ref = block_ref
+        self.on_hit = on_hit
+        self._starts: list[int] = []
+        self._ranges: list[tuple[int, int, StorageWeakRef, tuple[int, int, torch.dtype]]] = []
+        self.full_lookups = 0  # saved tensors that needed more than the address-range check
+
+    def add(self, out: torch.Tensor, op: int, index: int) -> None:
+        storage = out.untyped_storage()
+        key = StorageWeakRef(storage)
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
+        i = bisect.bisect_right(self._starts, start)
+        # ranges the new storage overlaps belong to freed storages: drop them
+        lo = i
+        while lo > 0 and self._ranges[lo - 1][1] > start:
+            lo -= 1
+        hi = i
+        while hi < len(self._ranges) and self._ranges[hi][0] < end:
+            hi += 1
+        self._starts[lo:hi] = [start]
+        self._ranges[lo:hi] = [(start, end, key, (op, index, out.dtype))]
+
+    def lookup(self, t: torch.Tensor) -> tuple[int, int] | None:
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
+            return None
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return None
+        _, end, key, (op, index, dtype) = self._ranges[i]
+        if ptr >= end:
+            return None
+        self.full_lookups += 1
+        try:  # the registered storage itself (its weak reference keeps its address unique)
+            same = t.untyped_storage()._cdata == key.cdata
+        except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
+            return None
+        if not same or key.expired() or t.dtype != dtype:
+            return None
+        return op, index
+
+    def pack(self, t: torch.Tensor):
+        found = self.lookup(t)
+        return t if found is None else self.on_hit(self.block_ref, t, *found)
+
+    def entries(self) -> list[tuple[int, int, bool]]:
+        return [(op, index, key.expired()) for _, _, key, (op, index, _) in self._ranges]
+
+
+def _unpack_saved(obj):
+    """The Python unpack hook: a tensor as it is; a placeholder resolves itself."""
+    return obj.unpack() if isinstance(obj, _Placeholder) else obj
+
+
+def _on_hit(block_ref: weakref.ref, t: torch.Tensor, op: int, index: int):
+    """What autograd stores for ``t``, (a view of) output ``index`` of op ``op`` of the block
+    ``block_ref`` refers to: a placeholder (``t`` itself once the block is gone)."""
+    block = block_ref()
+    if block is None:
+        return t
+    block.packed_ops.add(op)
+    return _Placeholder(block, _OutputView(op, index, tuple(t.shape), tuple(t.stride()),
+                                           t.storage_offset()))
+
+
+_NATIVE_HOOKS = os.environ.get("MHC_RECOMPUTE_NATIVE_HOOKS", "1") != "0"
+
+
+def set_native_hooks(enabled: bool) -> None:
+    """The blocks' saved-tensor hooks in C++ (the host replay extension's ``SavedRanges``,
+    where it is built) or in Python (:class:`_AddressRanges`), for blocks opened from now on
+    (``MHC_RECOMPUTE_NATIVE_HOOKS=0`` at start-up: Python)."""
+    global _NATIVE_HOOKS
+    _NATIVE_HOOKS = bool(enabled)
+
+
+def native_hooks() -> bool:
+    return _NATIVE_HOOKS
+
+
+def _native_ranges():
+    """The extension's ``(SavedRanges, unpack_saved)`` where the native hooks are on and the
+    extension is built, else None."""
+    if not _NATIVE_HOOKS:
+        return None
+    from mhc_megatron.kernels import host_replay
+
+    ext = host_replay.extension()
+    return None if ext is None else (ext.SavedRanges, ext.unpack_saved)
+
 
 class _BlockState:
     """The recorded mHC ops of one block of layers during one forward pass."""
@@ -87,41 +201,22 @@ class _BlockState:
         self.last_layer = 0
         self.ops: list[tuple[Callable, tuple, dict]] = []
         self.deps: list[set[int]] = []
-        self.registry: dict[StorageWeakRef, tuple[int, int, torch.dtype]] = {}
-        # The address ranges of the registered storages, sorted by start: a saved tensor
-        # whose data pointer falls in none of them (most of a sublayer's, e.g. an MoE layer's
-        # hundreds) is rejected with one bisect, without building a storage weakref. A range
-        # that a new registration overlaps has expired (live storages do not overlap) and is
-        # dropped then, so the range a pointer falls in is the only one that can hold it.
-        self._starts: list[int] = []
-        self._ranges: list[tuple[int, int, StorageWeakRef]] = []
+        native = _native_ranges()
+        if native is None:
+            self.ranges, self.unpack_hook = _AddressRanges(weakref.ref(self), _on_hit), \
+                _unpack_saved
+        else:
+            self.ranges, self.unpack_hook = native[0](weakref.ref(self), _on_hit), native[1]
         self.packed_ops: set[int] = set()
         self.outputs: dict[int, tuple] | None = None
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
 
     # -- forward
     def _lookup(self, t: torch.Tensor) -> _OutputView | None:
-        try:
-            ptr = t.data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
+        found = self.ranges.lookup(t)
+        if found is None:
             return None
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0:
-            return None
-        _, end, key = self._ranges[i]
-        if ptr >= end:
-            return None
-        self.manager.full_lookups += 1
-        try:  # the registered storage itself (its weak reference keeps its address unique)
-            same = t.untyped_storage()._cdata == key.cdata
-        except (RuntimeError, NotImplementedError, TypeError):  # subclasses without storage
-            return None
-        if not same or key.expired():
-            return None
-        op, index, dtype = self.registry[key]
-        if t.dtype != dtype:
-            return None
-        return _OutputView(op, index, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _OutputView(*found, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
         op = len(self.ops)
@@ -143,42 +238,10 @@ class _BlockState:
             if (not isinstance(out, torch.Tensor) or out.storage_offset() != 0
                     or not out.is_contiguous()):
                 continue
-            storage = out.untyped_storage()
-            if storage.nbytes() == out.numel() * out.element_size():
-                self._register(storage, (op, index, out.dtype))
-
-    def _register(self, storage: torch.UntypedStorage, entry: tuple) -> None:
-        key = StorageWeakRef(storage)
-        start = storage.data_ptr()
-        end = start + storage.nbytes()
-        i = bisect.bisect_right(self._starts, start)
-        # ranges the new storage overlaps belong to freed storages: drop them
-        lo = i
-        while lo > 0 and self._ranges[lo - 1][1] > start:
-            lo -= 1
-        hi = i
-        while hi < len(self._ranges) and self._ranges[hi][0] < end:
-            hi += 1
-        for _, _, stale in self._ranges[lo:hi]:
-            self.registry.pop(stale, None)
-        self._starts[lo:hi] = [start]
-        self._ranges[lo:hi] = [(start, end, key)]
-        self.registry[key] = entry
-
-    def pack(self, t: torch.Tensor):
-        view = self._lookup(t)
-        if view is None:
-            return t
-        self.packed_ops.add(view.op)
-        return _Placeholder(self, view)
+            if out.untyped_storage().nbytes() == out.numel() * out.element_size():
+                self.ranges.add(out, op, index)
 
     # -- backward
-    @staticmethod
-    def unpack(obj):
-        if not isinstance(obj, _Placeholder):
-            return obj
-        return obj.view.resolve(obj.block.recompute())
-
     def recompute(self) -> dict:
         """Recompute the needed ops of the block once, in forward order."""
         if self.outputs is not None:
@@ -254,7 +317,6 @@ class MHCRecomputeManager:
         self.blocks_recomputed = 0
         self.ops_recomputed = 0
         self.replays_fused = 0  # pairs of ops replayed as one (register_replay_fusion)
-        self.full_lookups = 0  # saved tensors that needed more than the address-range check
 
     def block_of(self, layer_number: int, chunk_offset: int = 0) -> tuple[int, int]:
         """Block of a global (1-based) layer number: ``(chunk_offset, index)``, blocks counted
@@ -282,7 +344,7 @@ class MHCRecomputeManager:
         state = self._state_for(layer_number, chunk_offset)
         token = _ACTIVE_BLOCK.set(state)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(state.pack, _BlockState.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(state.ranges.pack, state.unpack_hook):
                 yield state
         finally:
             _ACTIVE_BLOCK.reset(token)

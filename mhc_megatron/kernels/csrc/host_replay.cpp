@@ -237,4 +237,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_recipe", &add_recipe, "register a recorded op call; returns its id");
   m.def("run", &run, "allocate and launch as recipe `id` records; returns the returned tensors");
   mhc::bind_autograd_nodes(m);
+  mhc::bind_saved_ranges(m);
 }

@@ -23,4 +23,7 @@ void* current_stream(int64_t device);
 // Binds the autograd nodes' functions and types (autograd_nodes.cpp).
 void bind_autograd_nodes(pybind11::module& m);
 
+// Binds the saved-tensor hooks of mhc_recompute's blocks (saved_ranges.cpp).
+void bind_saved_ranges(pybind11::module& m);
+
 }  // namespace mhc

@@ -1,0 +1,131 @@
+// The saved-tensor hooks of an mhc_recompute block (mhc_megatron/recompute/manager.py) in C++:
+// a block registers the storages of its recorded ops' outputs, and every tensor autograd saves
+// inside the block's layers is looked up among them. Most saved tensors (an attention's or an
+// MoE layer's own) are in none: one binary search of the address ranges, no Python frame. A
+// tensor in a registered, still live storage of the output's dtype is handed to the block's
+// Python `on_hit(block_ref, tensor, op, index)`, which makes its placeholder. The same decisions
+// as the Python ranges of manager.py (_AddressRanges), which run where this extension is not
+// built.
+#include "host_replay.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace mhc {
+namespace {
+
+struct Range {
+  uintptr_t start;
+  uintptr_t end;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  c10::ScalarType dtype;
+  int64_t op;
+  int64_t index;
+};
+
+class SavedRanges {
+ public:
+  // block_ref: a weak reference to the block (no cycle block -> ranges -> block); on_hit:
+  // on_hit(block_ref, tensor, op, index) -> what autograd stores for the tensor.
+  SavedRanges(py::object block_ref, py::object on_hit)
+      : block_ref_(std::move(block_ref)), on_hit_(std::move(on_hit)) {}
+
+  // Register `out`, which owns its whole storage, as output `index` of op `op`. Ranges the new
+  // storage overlaps belong to freed storages (live storages do not overlap): dropped.
+  void add(const at::Tensor& out, int64_t op, int64_t index) {
+    const c10::Storage& storage = out.storage();
+    const uintptr_t start = reinterpret_cast<uintptr_t>(storage.data());
+    const uintptr_t end = start + storage.nbytes();
+    auto at = std::upper_bound(ranges_.begin(), ranges_.end(), start,
+                               [](uintptr_t p, const Range& r) { return p < r.start; });
+    auto lo = at;
+    while (lo != ranges_.begin() && std::prev(lo)->end > start) --lo;
+    auto hi = at;
+    while (hi != ranges_.end() && hi->start < end) ++hi;
+    Range range{start, end, storage.getWeakStorageImpl(), out.scalar_type(), op, index};
+    if (lo == hi) {
+      ranges_.insert(lo, std::move(range));
+    } else {
+      *lo = std::move(range);
+      ranges_.erase(std::next(lo), hi);
+    }
+  }
+
+  // The registered output `t` is (a view of), or nullptr: `t` in a range, in that range's
+  // storage itself (still live), of its dtype. Tensor subclasses (a Python dispatch key) and
+  // tensors without storage are in none.
+  const Range* find(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
+        ranges_.empty()) {
+      return nullptr;
+    }
+    const c10::Storage& storage = t.storage();
+    const uintptr_t ptr = reinterpret_cast<uintptr_t>(storage.data()) +
+                          static_cast<uintptr_t>(t.storage_offset()) * t.element_size();
+    auto at = std::upper_bound(ranges_.begin(), ranges_.end(), ptr,
+                               [](uintptr_t p, const Range& r) { return p < r.start; });
+    if (at == ranges_.begin()) return nullptr;
+    const Range& r = *std::prev(at);
+    if (ptr >= r.end) return nullptr;
+    ++full_lookups_;
+    if (r.storage.expired() || r.storage._unsafe_get_target() != storage.unsafeGetStorageImpl() ||
+        t.scalar_type() != r.dtype) {
+      return nullptr;
+    }
+    return &r;
+  }
+
+  py::object lookup(const at::Tensor& t) {
+    const Range* r = find(t);
+    return r == nullptr ? py::none() : py::object(py::make_tuple(r->op, r->index));
+  }
+
+  // The pack hook: the tensor itself, or on_hit's placeholder for a registered output.
+  py::object pack(py::handle obj) {
+    if (!THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
+    const Range* r = find(THPVariable_Unpack(obj.ptr()));
+    if (r == nullptr) return py::reinterpret_borrow<py::object>(obj);
+    return on_hit_(block_ref_, obj, r->op, r->index);
+  }
+
+  // (op, index, expired) of every range held, in address order.
+  py::list entries() const {
+    py::list out;
+    for (const Range& r : ranges_) out.append(py::make_tuple(r.op, r.index, r.storage.expired()));
+    return out;
+  }
+
+  int64_t full_lookups() const { return full_lookups_; }
+
+ private:
+  std::vector<Range> ranges_;  // sorted by start, disjoint
+  py::object block_ref_;
+  py::object on_hit_;
+  int64_t full_lookups_ = 0;
+};
+
+// The unpack hook: a tensor as it is; a placeholder resolves itself (its `unpack()`).
+py::object unpack_saved(py::handle obj) {
+  if (THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
+  return obj.attr("unpack")();
+}
+
+}  // namespace
+
+void bind_saved_ranges(py::module& m) {
+  py::class_<SavedRanges>(m, "SavedRanges")
+      .def(py::init<py::object, py::object>(), py::arg("block_ref"), py::arg("on_hit"))
+      .def("add", &SavedRanges::add, py::arg("out"), py::arg("op"), py::arg("index"))
+      .def("lookup", &SavedRanges::lookup, "(op, index) of the output t is a view of, or None")
+      .def("pack", &SavedRanges::pack, "the saved-tensor pack hook")
+      .def("entries", &SavedRanges::entries)
+      .def_property_readonly("full_lookups", &SavedRanges::full_lookups);
+  m.def("unpack_saved", &unpack_saved, "the saved-tensor unpack hook");
+}
+
+}  // namespace mhc
