@@ -1,6 +1,7 @@
 """The study preset's training step, baseline against mHC (and mHC + ``mhc_recompute``).
 
-    python benchmarks/bench_study_step.py [--recompute] [--profile] [--rounds 4] [--steps 10]
+    python benchmarks/bench_study_step.py [--recompute] [--profile] [--spans] [--python-hooks]
+                                          [--rounds 4] [--steps 10]
 
 The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32
 --attention sdpa`` (85M GPT, 12 x 768, seq 512, batch 32; the study's mHC variant
@@ -17,6 +18,13 @@ host's speed does not bias; many short rounds (``--rounds 20 --steps 3``) pair c
 its own step, so the host issues step k+1 while the GPU runs step k (a step's time is then the
 interval between two loss reads, its host time the part of it until its work is issued).
 ``--profile``: the GPU time a step (torch profiler, kernels only) and each run's top kernels.
+``--spans``: a second table, the host time of each step's phases (forward, backward,
+optimiser) and of the calls inside the forward (a layer, mHC's pre and combine, Megatron's
+attention and MLP bodies, the combine inside them), median per call, from timers wrapped
+around those methods for this process (Megatron's classes included: a measurement, not the
+library's path). ``--python-hooks`` (with ``--recompute``): also mHC + recompute with
+``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)`` during its
+steps), to compare with the C++ hooks in the same process.
 Extra arguments go to the example's parser (``--preset``, ``--precision`` ...).
 """
 
@@ -41,21 +49,88 @@ STUDY_FLAGS = ["--preset", "study", "--precision", "bf16", "--mhc-params", "fp32
 MHC_VARIANT = {"mhc_init_static_mapping": "zero", "mhc_init_gating_factor": 0.01}
 
 
-def make_step(model, args, data):
-    """The study loop's step for ``model`` (without the loss check and evaluations)."""
+def make_step(model, args, data, name: str = "", phases: list | None = None,
+              python_hooks: bool = False):
+    """The study loop's step for ``model`` (without the loss check and evaluations).
+    ``phases``: each step's host seconds of forward, backward and optimiser appended, and the
+    forward's calls timed under ``name`` (:class:`Spans`); ``python_hooks``: the steps run with
+    ``mhc_recompute``'s saved-tensor hooks in Python."""
+    from mhc_megatron.recompute import manager
+
     opt = demo.MasterWeightAdamW(demo.param_groups(model, 0.1, True), clip=1.0, lr=1e-4,
                                  betas=(0.9, 0.95))
     batches = demo.make_batches(data, args, args.seed)
 
     def step():
+        native = manager.native_hooks()
+        manager.set_native_hooks(native and not python_hooks)
+        t0 = time.perf_counter()
         ids, labels = batches.next()
+        Spans.run = name if phases is not None else None
         loss = model(ids, batches.position_ids, batches.mask, labels=labels).float().mean()
+        Spans.run = None
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        manager.set_native_hooks(native)
         return loss
 
     return step
+
+
+class Spans:
+    """Host time of calls inside a forward (``--spans``): :meth:`install` wraps each method
+    of ``TIMED`` in a timer that records, while ``Spans.run`` names a run, the call's host
+    microseconds under ``(run, label)``."""
+
+    run: str | None = None
+    times: dict = {}
+
+    @staticmethod
+    def timed():
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+        return ((TransformerLayer, "forward", "a layer's forward"),
+                (HyperConnectionModule, "forward", "mHC pre"),
+                (HyperConnectionModule, "combine", "mHC combine"),
+                (TransformerLayer, "_forward_attention",
+                 "Megatron's attention body (with the combine)"),
+                (TransformerLayer, "_forward_mlp", "Megatron's MLP body (with the combine)"))
+
+    @classmethod
+    def install(cls) -> None:
+        for owner, method, label in cls.timed():
+            fn = getattr(owner, method)
+
+            def timer(*args, _fn=fn, _label=label, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    if cls.run is not None:
+                        cls.times.setdefault((cls.run, _label), []).append(
+                            1e6 * (time.perf_counter() - t0))
+
+            setattr(owner, method, timer)
+
+    @classmethod
+    def rows(cls, names: list, phases: dict) -> list[str]:
+        lines = ["", "Host time (median): each step's phases, and the calls inside its forward",
+                 "", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        lines.append("| forward / backward / optimiser, ms | " + " | ".join(
+            " / ".join(f"{1e3 * statistics.median(p[i] for p in phases[n]):.2f}"
+                       for i in range(3)) for n in names) + " |")
+        for _, _, label in cls.timed():
+            cells = [cls.times.get((n, label)) for n in names]
+            lines.append(f"| {label}, us a call | " + " | ".join(
+                f"{statistics.median(c):.1f}" if c else "-" for c in cells) + " |")
+        return lines
 
 
 def synced_steps(step, count: int, host: list) -> list[float]:
@@ -127,23 +202,39 @@ def main(argv=None):
     p.add_argument("--overlap", action="store_true",
                    help="read each step's loss after the next step is issued")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--spans", action="store_true",
+                   help="also the host time of the phases and of the calls in the forward")
+    p.add_argument("--python-hooks", action="store_true",
+                   help="also mHC + recompute with the recompute's hooks in Python")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default=None)
     args, rest = p.parse_known_args(argv)
+    if args.python_hooks and not args.recompute:
+        p.error("--python-hooks compares the recompute's hooks: add --recompute")
     run_args = demo.parse_args(STUDY_FLAGS + rest)
     demo.setup_megatron(run_args.device, run_args.seed)
     data = np.random.default_rng(0).integers(0, 256, size=4_000_000).astype(np.uint8)
     variants = {"baseline": None, "mHC": MHC_VARIANT}
     if args.recompute:
         variants["mHC + recompute"] = {**MHC_VARIANT, "mhc_recompute": True}
-    steps = {name: make_step(demo.build_model(over is not None, run_args, over), run_args, data)
+    if args.python_hooks:
+        variants["mHC + recompute, Python hooks"] = variants["mHC + recompute"]
+    if args.spans:
+        Spans.install()
+    phases = {name: [] for name in variants}
+    steps = {name: make_step(demo.build_model(over is not None, run_args, over), run_args, data,
+                             name, phases[name] if args.spans else None,
+                             python_hooks=name.endswith("Python hooks"))
              for name, over in variants.items()}
     cuda = run_args.device == "cuda"
     for step in steps.values():
         for _ in range(args.warmup):
             step().item()
+    Spans.times.clear()
+    for runs in phases.values():
+        runs.clear()
     wall = {name: [] for name in steps}
     host = {name: [] for name in steps}
     round_medians = {name: [] for name in steps}
@@ -171,6 +262,8 @@ def main(argv=None):
                      f"{statistics.median(host[name]):.2f} | {med / base:.3f}x | "
                      f"{1e3 * (med - base) / sub:+.0f} | {statistics.median(paired):.3f}x "
                      f"({min(paired):.3f}-{max(paired):.3f}) |")
+    if args.spans:
+        lines += Spans.rows(list(steps), phases)
     print("\n".join(lines), flush=True)
     if args.profile and cuda:
         rows = profile_rows(steps)

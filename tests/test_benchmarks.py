@@ -120,6 +120,26 @@ def test_bench_study_step_on_cpu(tmp_path):
     assert rows[0][7].strip() == "1.000x (1.000-1.000)", rows[0]
 
 
+def test_bench_study_step_spans_on_cpu(tmp_path):
+    """``--spans --python-hooks``: the runs' table with the Python-hooks run, and the host time
+    of the phases and of the calls in the forward, a column per run (the plumbing only)."""
+    out = tmp_path / "study.md"
+    run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
+                      "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                      "--recompute", "--python-hooks", "--spans", "--out", str(out))
+    text = out.read_text()
+    names = ["baseline", "mHC", "mHC + recompute", "mHC + recompute, Python hooks"]
+    assert [r[0] for r in table_rows(text, "mHC + recompute, Python hooks")]
+    (header,) = [line for line in text.splitlines() if line.startswith("| | ")]
+    assert [c.strip() for c in header.strip("|").split("|")][1:] == names
+    (pre,) = table_rows(text, "mHC pre, us a call")
+    assert pre[1] == "-" and all(float(c) > 0 for c in pre[2:]), pre
+    (layer,) = table_rows(text, "a layer's forward, us a call")
+    assert all(float(c) > 0 for c in layer[1:]), layer
+    (phases,) = table_rows(text, "forward / backward / optimiser, ms")
+    assert all(len(c.split(" / ")) == 3 for c in phases[1:]), phases
+
+
 def test_bench_study_step_overlapped_loop_on_cpu(tmp_path):
     """``--overlap``: the same table, the losses read a step later (the plumbing only)."""
     out = tmp_path / "study.md"
