@@ -22,8 +22,9 @@ so wall time is host time:
   beside the sum of the four ops' host times (CUDA only);
 * per model step (``bench_e2e``'s GPT, local specs, 4 layers, dense and MoE): baseline, mHC
   and mHC + ``mhc_recompute`` step time (forward + backward, synced), the models alive
-  together and timed in alternating rounds (``--rounds`` x 10 steps): the differences are
-  mHC's (and the recompute's) host cost per step; divided by the sublayers, per sublayer;
+  together, their steps interleaved one by one (``--rounds`` x 10 steps each): the paired
+  steps' differences are mHC's (and the recompute's) host cost per step; their median divided
+  by the sublayers, per sublayer, with its interquartile range;
 * ``--profile-out``: cProfile of the per-op calls (the top functions by own time);
 * ``--breakdown``: the dense model's step as baseline, mHC, and mHC with *null ops* (autograd
   functions that allocate the ops' outputs and gradients and launch nothing): null minus
@@ -79,7 +80,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
-from bench_e2e import RUNS, _sync, build, emit_report, interleaved_runs, make_step  # noqa: E402
+from bench_e2e import RUNS, _sync, build, emit_report, make_step  # noqa: E402
 
 from mhc_megatron.kernels.triton_combine import _apply_combine, _CombineFn  # noqa: E402
 from mhc_megatron.kernels.triton_pre import _apply_pre, _PreFn  # noqa: E402
@@ -369,26 +370,62 @@ def engine_node_rows(nodes: int, iters: int, allocations: int = 4) -> list[str]:
     return rows
 
 
+def paired_steps(steps: dict, count: int) -> dict:
+    """``count`` steps of each model in ``steps`` (name -> step), interleaved step by step
+    (every model's i-th step in turn), each timed alone between two device syncs: ms a step,
+    in lists that run in lockstep, so that the i-th steps of two models were measured within
+    one cycle of the models (a drift of the host's speed hits both alike)."""
+    times = {name: [] for name in steps}
+    for _ in range(count):
+        for name, step in steps.items():
+            _sync()
+            t0 = time.perf_counter()
+            step()
+            _sync()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def paired_growth(run: list, base: list, sublayers: int) -> str:
+    """``run``'s growth over ``base`` per sublayer, us: the median of the paired steps'
+    differences (their interquartile range)."""
+    diffs = [1e3 * (r - b) / sublayers for r, b in zip(run, base)]
+    q1, _, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
+    return f"{statistics.median(diffs):.0f} ({q1:.0f} to {q3:.0f})"
+
+
 def model_rows(args) -> list[str]:
-    """Baseline, mHC and mHC + recompute models built side by side and timed in alternating
-    rounds (a host that other work shares drifts; alternating keeps them under the same
-    conditions)."""
+    """Baseline, mHC and mHC + recompute models built side by side and timed in ``--rounds``
+    rounds of 10 steps each, the models' steps interleaved one by one (:func:`paired_steps`:
+    a host that other work shares drifts; interleaving keeps them under the same conditions)."""
     rows = []
     for kind in ("dense", "moe"):
         shape = _dense_shape(args)
         if kind == "moe":
             shape.update(experts=16, topk=4, ffn=args.hidden // 2, shared=args.hidden)
-        # bench_e2e's runs (baseline, mHC, mHC + recompute), built together, alternating rounds
-        res = interleaved_runs(shape, "local", [(*r, False) for r in RUNS], DEVICE,
-                               SimpleNamespace(interleave=args.rounds, steps=10, warmup=3))
-        med = {run: r["ms"] for run, r in res.items()}
+        steps = {run: make_step(build(shape, "local", mhc, recompute, DEVICE)[0], shape,
+                                "local", DEVICE) for run, mhc, recompute in RUNS}
+        for step in steps.values():  # Triton compiles; grads allocated; recipes recorded
+            for _ in range(3):
+                step()
+        times = {run: [] for run in steps}
+        medians = {run: [] for run in steps}
+        with gc_paused():
+            for _ in range(args.rounds):
+                for run, got in paired_steps(steps, 10).items():
+                    times[run] += got
+                    medians[run].append(statistics.median(got))
         sub = 2 * shape["layers"]
-        cells = " | ".join(f"{r['ms']:.2f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})"
-                           for r in res.values())
+        cells = " | ".join(f"{statistics.median(m):.2f} ({min(m):.2f}-{max(m):.2f})"
+                           for m in medians.values())
         rows.append(f"| {kind} | {cells} | "
-                    f"{1e3 * (med['mHC'] - med['baseline']) / sub:.0f} | "
-                    f"{1e3 * (med['mHC + recompute'] - med['mHC']) / sub:.0f} |")
+                    f"{paired_growth(times['mHC'], times['baseline'], sub)} | "
+                    f"{paired_growth(times['mHC + recompute'], times['mHC'], sub)} |")
         print(rows[-1], flush=True)
+        del steps
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -752,8 +789,10 @@ def ab_rows(args, modes) -> list[str]:
     """Two modes of the ops' host path (``modes``: ``(name, context factory)`` each) in one
     process, alternating ``--rounds`` times: per op, for ``ENGINE_DEPTH`` sublayers chained
     through autograd (per sublayer), and for the dense model's baseline, mHC and mHC +
-    ``mhc_recompute`` steps (median of the rounds' medians for the ops, minimum over the rounds'
-    steps for the models, and each mHC step over the baseline's per sublayer)."""
+    ``mhc_recompute`` steps (median of the rounds' medians for the ops; for the models, whose
+    steps are interleaved one by one (:func:`paired_steps`), the minimum over the rounds'
+    steps, each mHC step over the baseline's per sublayer by those minima, and the median of
+    the paired steps' differences per sublayer)."""
     cases = op_cases(args.tokens, args.hidden)
     cases.append((f"one sublayer through autograd ({ENGINE_DEPTH} chained, one backward call; "
                   "per sublayer)", sublayers_through_engine(args.tokens, args.hidden,
@@ -782,13 +821,8 @@ def ab_rows(args, modes) -> list[str]:
                     for name, fn in cases:
                         ops[mode, name].append(host_us(fn, max(args.iters // args.rounds, 1))
                                                / per_call[name])
-                    for model, step in models.items():
-                        for _ in range(10):
-                            _sync()
-                            t0 = time.perf_counter()
-                            step()
-                            _sync()
-                            steps[mode, model].append(1e3 * (time.perf_counter() - t0))
+                    for model, got in paired_steps(models, 10).items():
+                        steps[mode, model] += got
     sub = 2 * shape["layers"]
     names = [m for m, _ in modes]
     lines = ["| host us | " + " | ".join(names) + " | difference |", "|---|---|---|---|"]
@@ -803,6 +837,10 @@ def ab_rows(args, modes) -> list[str]:
         over = [1e3 * (min(steps[m, model]) - min(steps[m, "baseline"])) / sub for m in names]
         lines.append(f"| {model}'s step over the baseline's, per sublayer, us (min) | "
                      f"{over[0]:.0f} | {over[1]:.0f} | {over[0] - over[1]:+.0f} |")
+    for model, base in (("mHC", "baseline"), ("mHC + recompute", "mHC")):
+        cells = [paired_growth(steps[m, model], steps[m, base], sub) for m in names]
+        lines.append(f"| {model}'s step over the {base}'s, per sublayer, us (median of step "
+                     f"pairs, interquartile range) | {cells[0]} | {cells[1]} | |")
     print("\n".join(lines), flush=True)
     return lines
 
@@ -936,7 +974,8 @@ def main(argv=None):
                   "(alternating rounds)", ""] + grad_fusion_rows(args)
     if not args.no_models:
         lines += ["", "step (ms): median of the rounds' medians (the rounds' range); per "
-                  "sublayer: the growth / sublayers, us", "",
+                  "sublayer: the median of the paired steps' differences / sublayers, us "
+                  "(interquartile range)", "",
                   "| model (4 layers, local specs) | baseline | mHC | mHC + recompute | "
                   "mHC - baseline per sublayer | recompute - mHC per sublayer |",
                   "|---|---|---|---|---|---|"]

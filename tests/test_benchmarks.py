@@ -72,12 +72,21 @@ def test_bench_e2e_interleave_refuses_profile():
 def test_bench_host_op_table_on_the_interpreter(tmp_path):
     """The op table, and ``--launch-ab``'s table of the two launch modes (on the interpreter
     both launch through Triton's own launcher: the plumbing only); ``--replay-ab`` says why
-    there is no replay from C++ on the interpreter."""
+    there is no replay from C++ on the interpreter; the model table, each model's growth per
+    sublayer the median of its paired steps' differences with their interquartile range."""
     out = tmp_path / "host.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
-                      "2", "--no-models", "--launch-ab", "--replay-ab", "--split", "--rounds",
-                      "1", "--out", str(out), env={"TRITON_INTERPRET": "1"})
-    text, replay = out.read_text().split("replayed from C++ against the Python path")
+                      "2", "--launch-ab", "--replay-ab", "--split", "--rounds", "2", "--out",
+                      str(out), env={"TRITON_INTERPRET": "1"})
+    text, models = out.read_text().split("| model (4 layers, local specs) |")
+    for kind in ("dense", "moe"):
+        (row,) = table_rows(models, kind)
+        assert [float(c.split(" (")[0]) > 0 for c in row[1:4]] == [True] * 3, row
+        for growth in row[4:]:  # "median (q1 to q3)"
+            median, q1, q3 = map(float, growth.replace("(", "").replace(")", "").replace(
+                " to ", " ").split())
+            assert q1 <= median <= q3, row
+    text, replay = text.split("replayed from C++ against the Python path")
     replay, split = replay.split("its Python and its C++ replay")
     assert "(no replay here: TRITON_INTERPRET=1)" in replay, replay
     assert "(no replay here: TRITON_INTERPRET=1)" in split, split
@@ -101,8 +110,11 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
                        "ms, min", "dense mHC model step (4 layers), ms, min",
                        "dense mHC + recompute model step (4 layers), ms, min",
                        "mHC's step over the baseline's, per sublayer, us (min)",
-                       "mHC + recompute's step over the baseline's, per sublayer, us (min)"
-                       ], ab_rows
+                       "mHC + recompute's step over the baseline's, per sublayer, us (min)",
+                       "mHC's step over the baseline's, per sublayer, us (median of step "
+                       "pairs, interquartile range)",
+                       "mHC + recompute's step over the mHC's, per sublayer, us (median of "
+                       "step pairs, interquartile range)"], ab_rows
 
 
 def test_bench_study_step_on_cpu(tmp_path):
