@@ -42,7 +42,7 @@ import contextvars
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -53,10 +53,10 @@ _ACTIVE_BLOCK: contextvars.ContextVar["_BlockState | None"] = contextvars.Contex
     "mhc_active_recompute_block", default=None)
 
 
-@dataclass(frozen=True)
-class _OutputView:
+class _OutputView(NamedTuple):
     """A (view of an) output of op ``op`` of a block: ``outputs[op][index]`` seen with
-    ``size``/``stride``/``offset``."""
+    ``size``/``stride``/``offset``. (A named tuple: one is made for every recorded argument
+    and every placeholder, in the forward's host path.)"""
 
     op: int
     index: int
@@ -68,7 +68,6 @@ class _OutputView:
         return outputs[self.op][self.index].as_strided(self.size, self.stride, self.offset)
 
 
-@dataclass(frozen=True, eq=False)
 class _Placeholder:
     """What autograd stores instead of a saved tensor that is an ``_OutputView`` of its
     ``block``: unpacking it recomputes the block (once) and resolves the view.
@@ -79,8 +78,11 @@ class _Placeholder:
     op arguments as ``_OutputView``s or detached tensors (no ``grad_fn``, so no path back
     into the graph), and the recomputed outputs."""
 
-    block: "_BlockState"
-    view: _OutputView
+    __slots__ = ("block", "view")
+
+    def __init__(self, block: "_BlockState", view: _OutputView):
+        self.block = block
+        self.view = view
 
     def unpack(self) -> torch.Tensor:
         """The saved tensor, recomputed (with its block, once)."""
