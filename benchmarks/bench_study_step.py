@@ -1,7 +1,7 @@
 """The study preset's training step, baseline against mHC (and mHC + ``mhc_recompute``).
 
-    python benchmarks/bench_study_step.py [--recompute] [--profile] [--spans] [--python-hooks]
-                                          [--rounds 4] [--steps 10]
+    python benchmarks/bench_study_step.py [--recompute] [--profile] [--spans] [--module-spans]
+                                          [--python-hooks] [--rounds 4] [--steps 10]
 
 The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32
 --attention sdpa`` (85M GPT, 12 x 768, seq 512, batch 32; the study's mHC variant
@@ -133,6 +133,57 @@ class Spans:
         return lines
 
 
+class ModuleSpans:
+    """Host time of every module's forward call, by the module's class (``--module-spans``):
+    process-wide forward pre- and post-hooks (``torch.nn.modules.module``'s global hooks) time
+    each call while ``Spans.run`` names a run. The hooks take every module call off torch's fast
+    path, so the steps of such a run are slower than without them; the table compares runs."""
+
+    starts: list = []
+    times: dict = {}
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+
+        def pre(module, args):
+            cls.starts.append(time.perf_counter())
+
+        def post(module, args, output):
+            t0 = cls.starts.pop()
+            if Spans.run is not None:
+                cls.times.setdefault((Spans.run, type(module).__name__), []).append(
+                    1e6 * (time.perf_counter() - t0))
+
+        register_module_forward_pre_hook(pre)
+        register_module_forward_hook(post)
+
+    @classmethod
+    def rows(cls, names: list, steps: dict) -> list[str]:
+        """Per module class: calls a step and median us a call in each run, the classes
+        ordered by how much more host time a step the last run spends in them than the
+        first."""
+        classes = {c for _, c in cls.times}
+
+        def per_step(run, c):
+            got = cls.times.get((run, c), [])
+            return sum(got) / max(steps[run], 1)
+
+        order = sorted(classes, key=lambda c: per_step(names[0], c) - per_step(names[-1], c))
+        lines = ["", "Host time of each module class's forward calls (calls a step; median us a "
+                 "call), most grown first", "", "| module | " + " | ".join(names) + " |",
+                 "|---|" + "---|" * len(names)]
+        for c in order:
+            cells = []
+            for run in names:
+                got = cls.times.get((run, c))
+                cells.append(f"{len(got) / max(steps[run], 1):.0f}; {statistics.median(got):.1f}"
+                             if got else "-")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        return lines
+
+
 def synced_steps(step, count: int, host: list) -> list[float]:
     """``count`` steps, each loss read right after its step (the example's loop): the steps'
     times in ms; their host times (until the step's work is issued) appended to ``host``."""
@@ -204,6 +255,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true")
     p.add_argument("--spans", action="store_true",
                    help="also the host time of the phases and of the calls in the forward")
+    p.add_argument("--module-spans", action="store_true",
+                   help="also the host time of every module class's forward calls")
     p.add_argument("--python-hooks", action="store_true",
                    help="also mHC + recompute with the recompute's hooks in Python")
     p.add_argument("--rounds", type=int, default=4)
@@ -223,9 +276,12 @@ def main(argv=None):
         variants["mHC + recompute, Python hooks"] = variants["mHC + recompute"]
     if args.spans:
         Spans.install()
+    if args.module_spans:
+        ModuleSpans.install()
     phases = {name: [] for name in variants}
+    timers = args.spans or args.module_spans
     steps = {name: make_step(demo.build_model(over is not None, run_args, over), run_args, data,
-                             name, phases[name] if args.spans else None,
+                             name, phases[name] if timers else None,
                              python_hooks=name.endswith("Python hooks"))
              for name, over in variants.items()}
     cuda = run_args.device == "cuda"
@@ -233,6 +289,7 @@ def main(argv=None):
         for _ in range(args.warmup):
             step().item()
     Spans.times.clear()
+    ModuleSpans.times.clear()
     for runs in phases.values():
         runs.clear()
     wall = {name: [] for name in steps}
@@ -264,6 +321,8 @@ def main(argv=None):
                      f"({min(paired):.3f}-{max(paired):.3f}) |")
     if args.spans:
         lines += Spans.rows(list(steps), phases)
+    if args.module_spans:
+        lines += ModuleSpans.rows(list(steps), {name: len(p) for name, p in phases.items()})
     print("\n".join(lines), flush=True)
     if args.profile and cuda:
         rows = profile_rows(steps)

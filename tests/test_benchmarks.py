@@ -133,12 +133,14 @@ def test_bench_study_step_on_cpu(tmp_path):
 
 
 def test_bench_study_step_spans_on_cpu(tmp_path):
-    """``--spans --python-hooks``: the runs' table with the Python-hooks run, and the host time
-    of the phases and of the calls in the forward, a column per run (the plumbing only)."""
+    """``--spans --module-spans --python-hooks``: the runs' table with the Python-hooks run,
+    the host time of the phases and of the calls in the forward, and of each module class's
+    forward calls, a column per run (the plumbing only)."""
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                      "--recompute", "--python-hooks", "--spans", "--out", str(out))
+                      "--recompute", "--python-hooks", "--spans", "--module-spans", "--out",
+                      str(out))
     text = out.read_text()
     names = ["baseline", "mHC", "mHC + recompute", "mHC + recompute, Python hooks"]
     assert [r[0] for r in table_rows(text, "mHC + recompute, Python hooks")]
@@ -150,6 +152,11 @@ def test_bench_study_step_spans_on_cpu(tmp_path):
     assert all(float(c) > 0 for c in layer[1:]), layer
     (phases,) = table_rows(text, "forward / backward / optimiser, ms")
     assert all(len(c.split(" / ")) == 3 for c in phases[1:]), phases
+    # --module-spans: every run calls the model once a step; only mHC's runs have its module
+    (model,) = table_rows(text, "GPTModel")
+    assert all(c.startswith("1; ") for c in model[1:]), model
+    (hc,) = table_rows(text, "HyperConnectionModule")
+    assert hc[1] == "-" and all(c != "-" for c in hc[2:]), hc
 
 
 def test_bench_study_step_overlapped_loop_on_cpu(tmp_path):

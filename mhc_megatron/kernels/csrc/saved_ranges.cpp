@@ -5,7 +5,8 @@
 // tensor in a registered, still live storage of the output's dtype is handed to the block's
 // Python `on_hit(block_ref, tensor, op, index)`, which makes its placeholder. The same decisions
 // as the Python ranges of manager.py (_AddressRanges), which run where this extension is not
-// built.
+// built, except that a tensor subclass with a Python dispatch key is always kept as it is (the
+// Python ranges find one that has a data pointer: only memory differs, not a result).
 #include "host_replay.h"
 
 #include <torch/csrc/autograd/python_variable.h>
