@@ -878,6 +878,27 @@ def launch_floor_rows(launches: int, iters: int) -> list[str]:
     return rows
 
 
+# the optional tables: (argument, title, rows), printed in this order
+OPTIONAL_SECTIONS = (
+    ("breakdown", "Breakdown: mHC's layer code and its ops (null ops: allocations only)",
+     breakdown_rows),
+    ("launch_ab", "Launches by signature against the per-argument key (alternating rounds)",
+     launch_ab_rows),
+    ("replay_ab", "The ops' host work replayed from C++ against the Python path (alternating "
+     "rounds)", replay_ab_rows),
+    ("native_ab", "The ops' C++ autograd nodes against their Python autograd functions "
+     "(alternating rounds)", native_ab_rows),
+    ("site_ab", "The C++ nodes' calls from their call sites against the ops' Python path "
+     "(alternating rounds)", site_ab_rows),
+    ("hooks_ab", "mhc_recompute's saved-tensor hooks in C++ against Python (alternating "
+     "rounds)", hooks_ab_rows),
+    ("split", "Each op call's host time: its Python and its C++ replay (alternating rounds)",
+     split_rows),
+    ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
+     "(alternating rounds)", grad_fusion_rows),
+)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=64)
@@ -948,30 +969,9 @@ def main(argv=None):
             fh.write(s.getvalue())
     if args.profile_models:
         profile_models(args, args.profile_models, args.profile_steps)
-    if args.breakdown:
-        lines += ["", "Breakdown: mHC's layer code and its ops (null ops: allocations only)",
-                  ""] + breakdown_rows(args)
-    if args.launch_ab:
-        lines += ["", "Launches by signature against the per-argument key (alternating rounds)",
-                  ""] + launch_ab_rows(args)
-    if args.replay_ab:
-        lines += ["", "The ops' host work replayed from C++ against the Python path "
-                  "(alternating rounds)", ""] + replay_ab_rows(args)
-    if args.native_ab:
-        lines += ["", "The ops' C++ autograd nodes against their Python autograd functions "
-                  "(alternating rounds)", ""] + native_ab_rows(args)
-    if args.site_ab:
-        lines += ["", "The C++ nodes' calls from their call sites against the ops' Python path "
-                  "(alternating rounds)", ""] + site_ab_rows(args)
-    if args.hooks_ab:
-        lines += ["", "mhc_recompute's saved-tensor hooks in C++ against Python (alternating "
-                  "rounds)", ""] + hooks_ab_rows(args)
-    if args.split:
-        lines += ["", "Each op call's host time: its Python and its C++ replay (alternating "
-                  "rounds)", ""] + split_rows(args)
-    if args.grad_fusion:
-        lines += ["", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
-                  "(alternating rounds)", ""] + grad_fusion_rows(args)
+    for flag, title, rows in OPTIONAL_SECTIONS:
+        if getattr(args, flag):
+            lines += ["", title, ""] + rows(args)
     if not args.no_models:
         lines += ["", "step (ms): median of the rounds' medians (the rounds' range); per "
                   "sublayer: the median of the paired steps' differences / sublayers, us "
