@@ -737,52 +737,46 @@ def switched_off(module):
         module.set_enabled(was)
 
 
+def on_off_rows(args, on: str, off: str, switch) -> list[str]:
+    """:func:`ab_rows` of a path ``switch`` turns on and off (``enabled()`` and
+    ``set_enabled()``: a module or a namespace of the two), named ``on`` and ``off``; or the
+    row that says why the ops' host replay cannot run here."""
+    return _no_replay_rows() or ab_rows(
+        args, ((on, contextlib.nullcontext), (off, lambda: switched_off(switch))))
+
+
 def native_ab_rows(args) -> list[str]:
     """``--native-ab``: the ops' C++ autograd nodes against their Python autograd functions,
-    the replay on in both (see :func:`ab_rows`; the per-op rows call the Python functions
-    directly in both modes, the chained sublayers and the model steps differ)."""
+    the replay on in both (the per-op rows call the Python functions directly in both modes,
+    the chained sublayers and the model steps differ)."""
     from mhc_megatron.kernels import native_autograd
 
-    return _no_replay_rows() or ab_rows(
-        args, (("C++ nodes", contextlib.nullcontext),
-               ("Python functions", lambda: switched_off(native_autograd))))
+    return on_off_rows(args, "C++ nodes", "Python functions", native_autograd)
 
 
 def site_ab_rows(args) -> list[str]:
     """``--site-ab``: the C++ nodes' calls replayed from their call sites against the same
-    nodes called through the ops' Python path (see :func:`ab_rows`)."""
-    from types import SimpleNamespace
-
+    nodes called through the ops' Python path."""
     from mhc_megatron.kernels import native_autograd
 
-    sites = SimpleNamespace(enabled=native_autograd.sites_enabled,
-                            set_enabled=native_autograd.set_sites_enabled)
-    return _no_replay_rows() or ab_rows(
-        args, (("call sites", contextlib.nullcontext),
-               ("no call sites", lambda: switched_off(sites))))
+    return on_off_rows(args, "call sites", "no call sites", SimpleNamespace(
+        enabled=native_autograd.sites_enabled, set_enabled=native_autograd.set_sites_enabled))
 
 
 def hooks_ab_rows(args) -> list[str]:
     """``--hooks-ab``: ``mhc_recompute``'s saved-tensor hooks in C++ against the same hooks in
-    Python (see :func:`ab_rows`; only the recompute's model step differs)."""
-    from types import SimpleNamespace
-
+    Python (only the recompute's model step differs)."""
     from mhc_megatron.recompute import manager
 
-    hooks = SimpleNamespace(enabled=manager.native_hooks, set_enabled=manager.set_native_hooks)
-    return _no_replay_rows() or ab_rows(
-        args, (("C++ hooks", contextlib.nullcontext),
-               ("Python hooks", lambda: switched_off(hooks))))
+    return on_off_rows(args, "C++ hooks", "Python hooks", SimpleNamespace(
+        enabled=manager.native_hooks, set_enabled=manager.set_native_hooks))
 
 
 def replay_ab_rows(args) -> list[str]:
-    """``--replay-ab``: the ops' host work replayed from C++ against the Python path (see
-    :func:`ab_rows`)."""
+    """``--replay-ab``: the ops' host work replayed from C++ against the Python path."""
     from mhc_megatron.kernels import host_replay
 
-    return _no_replay_rows() or ab_rows(
-        args, (("C++ replay", contextlib.nullcontext),
-               ("Python", lambda: switched_off(host_replay))))
+    return on_off_rows(args, "C++ replay", "Python", host_replay)
 
 
 def ab_rows(args, modes) -> list[str]:

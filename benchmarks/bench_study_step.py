@@ -62,8 +62,9 @@ def make_step(model, args, data, name: str = "", phases: list | None = None,
     batches = demo.make_batches(data, args, args.seed)
 
     def step():
-        native = manager.native_hooks()
-        manager.set_native_hooks(native and not python_hooks)
+        if python_hooks:
+            native = manager.native_hooks()
+            manager.set_native_hooks(False)
         t0 = time.perf_counter()
         ids, labels = batches.next()
         Spans.run = name if phases is not None else None
@@ -76,7 +77,8 @@ def make_step(model, args, data, name: str = "", phases: list | None = None,
         opt.step()
         if phases is not None:
             phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        manager.set_native_hooks(native)
+        if python_hooks:
+            manager.set_native_hooks(native)
         return loss
 
     return step

@@ -132,6 +132,11 @@ class CallSite:
         self.combine_n = None
         self.generation = PLANS.generation
 
+    def current(self) -> bool:
+        """Whether the site may replay now: the plans it was made from are still held, and
+        no launch hook is set and nothing is traced."""
+        return self.generation == PLANS.generation and not _signing_off()
+
 
 # id(phi) -> its CallSite (dropped with phi)
 _SITES: dict[int, CallSite] = {}
@@ -141,8 +146,7 @@ def site_of(phi: torch.Tensor, args: tuple) -> CallSite | None:
     """The call site pre's last call on ``phi`` made, if it was made with ``args`` and the
     launches replay now (no launch hook set, not traced), else None."""
     site = _SITES.get(id(phi)) if _SITES_ENABLED else None
-    if (site is None or site.phi() is not phi or site.args != args
-            or site.generation != PLANS.generation or _signing_off()):
+    if site is None or site.phi() is not phi or site.args != args or not site.current():
         return None
     return site
 
@@ -171,7 +175,6 @@ def remember_combine(site: CallSite, n, table, operands) -> None:
 
 def combine_site(site: CallSite | None, n):
     """The extension's combine site of ``site`` for a combine with ``n``, or None."""
-    if (site is None or site.combine is None or site.combine_n != n
-            or site.generation != PLANS.generation or _signing_off()):
+    if site is None or site.combine is None or site.combine_n != n or not site.current():
         return None
     return site.combine

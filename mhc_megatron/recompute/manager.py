@@ -183,15 +183,17 @@ def native_hooks() -> bool:
     return _NATIVE_HOOKS
 
 
-def _native_ranges():
-    """The extension's ``(SavedRanges, unpack_saved)`` where the native hooks are on and the
-    extension is built, else None."""
-    if not _NATIVE_HOOKS:
-        return None
-    from mhc_megatron.kernels import host_replay
+def _hooks():
+    """``(ranges type, unpack hook)`` of a new block: the extension's ``SavedRanges`` and
+    ``unpack_saved`` where the native hooks are on and the extension is built, else the Python
+    ones."""
+    if _NATIVE_HOOKS:
+        from mhc_megatron.kernels import host_replay
 
-    ext = host_replay.extension()
-    return None if ext is None else (ext.SavedRanges, ext.unpack_saved)
+        ext = host_replay.extension()
+        if ext is not None:
+            return ext.SavedRanges, ext.unpack_saved
+    return _AddressRanges, _unpack_saved
 
 
 class _BlockState:
@@ -203,12 +205,8 @@ class _BlockState:
         self.last_layer = 0
         self.ops: list[tuple[Callable, tuple, dict]] = []
         self.deps: list[set[int]] = []
-        native = _native_ranges()
-        if native is None:
-            self.ranges, self.unpack_hook = _AddressRanges(weakref.ref(self), _on_hit), \
-                _unpack_saved
-        else:
-            self.ranges, self.unpack_hook = native[0](weakref.ref(self), _on_hit), native[1]
+        ranges, self.unpack_hook = _hooks()
+        self.ranges = ranges(weakref.ref(self), _on_hit)
         self.packed_ops: set[int] = set()
         self.outputs: dict[int, tuple] | None = None
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
