@@ -50,6 +50,9 @@ so wall time is host time:
 * ``--hooks-ab``: ``mhc_recompute``'s saved-tensor hooks in C++ (the extension's
   ``SavedRanges``) against the same in Python (``MHC_RECOMPUTE_NATIVE_HOOKS=0``), as
   ``--replay-ab``;
+* ``--scope-ab``: ``mhc_recompute``'s saved-tensor hooks on only where mHC outputs are saved
+  (pre, the sublayer's input norm, the combine) against on over each whole sublayer
+  (``MHC_RECOMPUTE_NARROW_HOOKS=0``), as ``--replay-ab``;
 * ``--split``: with the replay on, each op call's host time as a whole, its Python alone (its
   allocations and launches skipped: the call returns the tensors a captured call returned) and
   its C++ replay alone (the recorded recipe run with the call's tensors), per op and for
@@ -772,6 +775,16 @@ def hooks_ab_rows(args) -> list[str]:
         enabled=manager.native_hooks, set_enabled=manager.set_native_hooks))
 
 
+def scope_ab_rows(args) -> list[str]:
+    """``--scope-ab``: ``mhc_recompute``'s saved-tensor hooks on only where mHC outputs are
+    saved (pre, the input norm, the combine) against on over each whole sublayer (only the
+    recompute's model step differs)."""
+    from mhc_megatron.recompute import manager
+
+    return on_off_rows(args, "hooks where saved", "hooks over the sublayer", SimpleNamespace(
+        enabled=manager.narrow_hooks, set_enabled=manager.set_narrow_hooks))
+
+
 def replay_ab_rows(args) -> list[str]:
     """``--replay-ab``: the ops' host work replayed from C++ against the Python path."""
     from mhc_megatron.kernels import host_replay
@@ -886,6 +899,8 @@ OPTIONAL_SECTIONS = (
      "(alternating rounds)", site_ab_rows),
     ("hooks_ab", "mhc_recompute's saved-tensor hooks in C++ against Python (alternating "
      "rounds)", hooks_ab_rows),
+    ("scope_ab", "mhc_recompute's saved-tensor hooks where mHC outputs are saved against over "
+     "the whole sublayer (alternating rounds)", scope_ab_rows),
     ("split", "Each op call's host time: its Python and its C++ replay (alternating rounds)",
      split_rows),
     ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
@@ -910,6 +925,7 @@ def main(argv=None):
     p.add_argument("--native-ab", action="store_true")
     p.add_argument("--site-ab", action="store_true")
     p.add_argument("--hooks-ab", action="store_true")
+    p.add_argument("--scope-ab", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """The study preset's training step, baseline against mHC (and mHC + ``mhc_recompute``).
 
     python benchmarks/bench_study_step.py [--recompute] [--profile] [--spans] [--module-spans]
-                                          [--python-hooks] [--rounds 4] [--steps 10]
+                                          [--python-hooks] [--whole-sublayer-hooks]
+                                          [--rounds 4] [--steps 10]
 
 The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32
 --attention sdpa`` (85M GPT, 12 x 768, seq 512, batch 32; the study's mHC variant
@@ -24,7 +25,9 @@ attention and MLP bodies, the combine inside them), median per call, from timers
 around those methods for this process (Megatron's classes included: a measurement, not the
 library's path). ``--python-hooks`` (with ``--recompute``): also mHC + recompute with
 ``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)`` during its
-steps), to compare with the C++ hooks in the same process.
+steps), to compare with the C++ hooks in the same process. ``--whole-sublayer-hooks`` (with
+``--recompute``): also mHC + recompute with the hooks on over each whole sublayer
+(``set_narrow_hooks(False)``), not only where mHC outputs are saved.
 Extra arguments go to the example's parser (``--preset``, ``--precision`` ...).
 """
 
@@ -49,22 +52,30 @@ STUDY_FLAGS = ["--preset", "study", "--precision", "bf16", "--mhc-params", "fp32
 MHC_VARIANT = {"mhc_init_static_mapping": "zero", "mhc_init_gating_factor": 0.01}
 
 
-def make_step(model, args, data, name: str = "", phases: list | None = None,
-              python_hooks: bool = False):
+# run name suffix -> the recompute hooks' switch ((get, set) of mhc_megatron.recompute.manager)
+# that is off during that run's steps
+HOOK_VARIANTS = {", Python hooks": ("native_hooks", "set_native_hooks"),
+                 ", hooks over the sublayer": ("narrow_hooks", "set_narrow_hooks")}
+
+
+def make_step(model, args, data, name: str = "", phases: list | None = None):
     """The study loop's step for ``model`` (without the loss check and evaluations).
     ``phases``: each step's host seconds of forward, backward and optimiser appended, and the
-    forward's calls timed under ``name`` (:class:`Spans`); ``python_hooks``: the steps run with
-    ``mhc_recompute``'s saved-tensor hooks in Python."""
+    forward's calls timed under ``name`` (:class:`Spans`). A run named with a suffix of
+    ``HOOK_VARIANTS`` runs its steps with that switch of the recompute's hooks off."""
     from mhc_megatron.recompute import manager
 
+    switch = next((names for suffix, names in HOOK_VARIANTS.items() if name.endswith(suffix)),
+                  None)
+    get, put = (getattr(manager, n) for n in switch) if switch else (None, None)
     opt = demo.MasterWeightAdamW(demo.param_groups(model, 0.1, True), clip=1.0, lr=1e-4,
                                  betas=(0.9, 0.95))
     batches = demo.make_batches(data, args, args.seed)
 
     def step():
-        if python_hooks:
-            native = manager.native_hooks()
-            manager.set_native_hooks(False)
+        if switch:
+            was = get()
+            put(False)
         t0 = time.perf_counter()
         ids, labels = batches.next()
         Spans.run = name if phases is not None else None
@@ -77,8 +88,8 @@ def make_step(model, args, data, name: str = "", phases: list | None = None,
         opt.step()
         if phases is not None:
             phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        if python_hooks:
-            manager.set_native_hooks(native)
+        if switch:
+            put(was)
         return loss
 
     return step
@@ -261,13 +272,16 @@ def main(argv=None):
                    help="also the host time of every module class's forward calls")
     p.add_argument("--python-hooks", action="store_true",
                    help="also mHC + recompute with the recompute's hooks in Python")
+    p.add_argument("--whole-sublayer-hooks", action="store_true",
+                   help="also mHC + recompute with the hooks on over each whole sublayer")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default=None)
     args, rest = p.parse_known_args(argv)
-    if args.python_hooks and not args.recompute:
-        p.error("--python-hooks compares the recompute's hooks: add --recompute")
+    if (args.python_hooks or args.whole_sublayer_hooks) and not args.recompute:
+        p.error("--python-hooks / --whole-sublayer-hooks compare the recompute's hooks: add "
+                "--recompute")
     run_args = demo.parse_args(STUDY_FLAGS + rest)
     demo.setup_megatron(run_args.device, run_args.seed)
     data = np.random.default_rng(0).integers(0, 256, size=4_000_000).astype(np.uint8)
@@ -276,6 +290,8 @@ def main(argv=None):
         variants["mHC + recompute"] = {**MHC_VARIANT, "mhc_recompute": True}
     if args.python_hooks:
         variants["mHC + recompute, Python hooks"] = variants["mHC + recompute"]
+    if args.whole_sublayer_hooks:
+        variants["mHC + recompute, hooks over the sublayer"] = variants["mHC + recompute"]
     if args.spans:
         Spans.install()
     if args.module_spans:
@@ -283,8 +299,7 @@ def main(argv=None):
     phases = {name: [] for name in variants}
     timers = args.spans or args.module_spans
     steps = {name: make_step(demo.build_model(over is not None, run_args, over), run_args, data,
-                             name, phases[name] if timers else None,
-                             python_hooks=name.endswith("Python hooks"))
+                             name, phases[name] if timers else None)
              for name, over in variants.items()}
     cuda = run_args.device == "cuda"
     for step in steps.values():

@@ -133,17 +133,19 @@ def test_bench_study_step_on_cpu(tmp_path):
 
 
 def test_bench_study_step_spans_on_cpu(tmp_path):
-    """``--spans --module-spans --python-hooks``: the runs' table with the Python-hooks run,
+    """``--spans --module-spans --python-hooks --whole-sublayer-hooks``: the runs' table with
+    the Python-hooks and whole-sublayer-hooks runs,
     the host time of the phases and of the calls in the forward, and of each module class's
     forward calls, a column per run (the plumbing only)."""
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                      "--recompute", "--python-hooks", "--spans", "--module-spans", "--out",
-                      str(out))
+                      "--recompute", "--python-hooks", "--whole-sublayer-hooks", "--spans",
+                      "--module-spans", "--out", str(out))
     text = out.read_text()
-    names = ["baseline", "mHC", "mHC + recompute", "mHC + recompute, Python hooks"]
-    assert [r[0] for r in table_rows(text, "mHC + recompute, Python hooks")]
+    names = ["baseline", "mHC", "mHC + recompute", "mHC + recompute, Python hooks",
+             "mHC + recompute, hooks over the sublayer"]
+    assert all(table_rows(text, name) for name in names[3:])
     (header,) = [line for line in text.splitlines() if line.startswith("| | ")]
     assert [c.strip() for c in header.strip("|").split("|")][1:] == names
     (pre,) = table_rows(text, "mHC pre, us a call")

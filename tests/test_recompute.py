@@ -201,14 +201,12 @@ def test_blocks_are_freed_by_reference_counting(megatron_single_rank, kind):
     assert garbage[True] == garbage[False], garbage
 
 
-def test_hook_work_per_saved_tensor_is_one_range_check(megatron_single_rank, monkeypatch):
-    """The pack hook sees every tensor autograd saves inside a recompute block, an MoE
-    layer's hundreds included (64 experts here). Only tensors inside a registered mHC output's
-    address range may take the costly path (a storage weakref and a dict lookup); all others
-    are rejected by one bisect of the ranges. Bound: costly lookups <= the saved tensors that
-    become placeholders + the tensor arguments of the recorded ops (which are looked up too)
-    + one per registered output (an address reused after its storage was freed). The Python
-    hooks (the C++ ones make the same decisions: test_native_ranges_look_up_as_python's)."""
+def _count_hook_work(monkeypatch, **overrides) -> dict:
+    """One model step's saved-tensor hook calls (after a first step): ``packs`` (tensors the
+    pack hook saw), ``hits`` (placeholders), ``args`` / ``outputs`` (tensor arguments and
+    outputs of the recorded ops) and ``full_lookups`` (lookups past the address-range check).
+    The Python hooks (the C++ ones make the same decisions:
+    test_native_ranges_look_up_as_python's)."""
     from mhc_megatron.recompute import manager as rc
 
     _use_hooks(monkeypatch, "python")
@@ -233,17 +231,99 @@ def test_hook_work_per_saved_tensor_is_one_range_check(megatron_single_rank, mon
     monkeypatch.setattr(rc._BlockState, "record", counting_record)
     setup_cpu_megatron(seed=1)
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
-                      **{**moe_overrides(), "num_moe_experts": 64, "moe_router_topk": 6})
+                      **overrides)
     model = build_gpt(cfg, DEV)
     data = batch(device=DEV, seed=0)
     lm_loss(model, data).backward()
     states.clear()
     counts.update(packs=0, hits=0, args=0, outputs=0)
     lm_loss(model, data).backward()
-    full_lookups = sum(st.ranges.full_lookups for st in states)
-    assert counts["hits"] > 0 and counts["packs"] > 10 * counts["hits"], counts
-    assert full_lookups <= counts["hits"] + counts["args"] + counts["outputs"], \
-        (full_lookups, counts)
+    counts["full_lookups"] = sum(st.ranges.full_lookups for st in states)
+    monkeypatch.undo()
+    return counts
+
+
+def test_hooks_see_only_the_saves_of_mhc_outputs(megatron_single_rank, monkeypatch):
+    """The blocks' pack hook runs only where mHC outputs can be saved (pre, the sublayer's
+    input norm, the combine), not for the rest of a sublayer's body: an MoE layer with 64
+    experts makes it no more calls than one with 4, and an attention layer's calls are those
+    of the MLP's (the same pre, norm and combine). Only tensors inside a registered mHC
+    output's address range take the costly path (a storage weakref): costly lookups <= the
+    saved tensors that become placeholders + the tensor arguments of the recorded ops (looked
+    up too) + one per registered output (an address reused after its storage was freed)."""
+    moe = {**moe_overrides(), "moe_router_topk": 2}
+    few = _count_hook_work(monkeypatch, **{**moe, "num_moe_experts": 4})
+    many = _count_hook_work(monkeypatch, **{**moe, "num_moe_experts": 64})
+    dense = _count_hook_work(monkeypatch)
+    for counts in (few, many, dense):
+        assert counts["hits"] > 0, counts
+        assert counts["full_lookups"] <= counts["hits"] + counts["args"] + counts["outputs"], \
+            counts
+    assert many["packs"] == few["packs"] == dense["packs"], (few, many, dense)
+    assert many["hits"] == few["hits"] == dense["hits"]
+
+
+def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
+    """Inside a recompute block the hooks are off in the attention and MLP modules (their
+    input norm has saved ``y``) and on there with Megatron's ``layernorm`` selective recompute
+    (its checkpoint saves ``y`` after the norm returns); after the forward, and after a
+    sublayer that raised, no hooks are left on."""
+    from megatron.core import tensor_parallel
+
+    from mhc_megatron.recompute import manager as rc
+
+    init = tensor_parallel.CheckpointWithoutOutput.__init__
+    monkeypatch.setattr(tensor_parallel.CheckpointWithoutOutput, "__init__",
+                        lambda self, fp8=None: init(self, fp8=fp8))  # 0.19: fp8=None is off
+    for extra, on_in_body in (({}, False),
+                              (dict(recompute_granularity="selective",
+                                    recompute_modules=["layernorm"]), True)):
+        setup_cpu_megatron(seed=1)
+        cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
+        model = build_gpt(cfg, DEV)
+        seen = []
+        for layer in model.decoder.layers:
+            for body in (layer.self_attention, layer.mlp):
+                body.register_forward_pre_hook(
+                    lambda m, a: seen.append(rc._top_hooks(True) is not None))
+        lm_loss(model, batch(device=DEV, seed=0)).backward()
+        assert seen == [on_in_body] * 4, (extra, seen)
+        assert rc._top_hooks(True) is None
+
+        def fail(m, a):
+            raise RuntimeError("sublayer failed")
+
+        handle = model.decoder.layers[1].mlp.register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="sublayer failed"):
+            lm_loss(model, batch(device=DEV, seed=0))
+        handle.remove()
+        assert rc._top_hooks(True) is None
+        lm_loss(model, batch(device=DEV, seed=0)).backward()  # runs on after the failure
+
+
+def test_hooks_left_on_by_a_sublayer_are_an_error(megatron_single_rank):
+    """Hooks pushed inside a sublayer while the block's are on (here before its input norm)
+    and not popped: the block's own cannot be popped, which is said with the fix, not
+    silently."""
+    setup_cpu_megatron(seed=1)
+    cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2)
+    model = build_gpt(cfg, DEV)
+    leak = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    handle = model.decoder.layers[0].input_layernorm.register_forward_pre_hook(
+        lambda m, a: leak.__enter__())
+    try:
+        with pytest.raises(RuntimeError, match="still on when the sublayer returned"):
+            lm_loss(model, batch(device=DEV, seed=0))
+    finally:
+        handle.remove()
+        leak.__exit__()
+    from mhc_megatron.recompute import manager as rc
+
+    # the block's hooks are left under the leaked ones (a stack: they cannot be taken out)
+    assert rc._top_hooks(True)[0].__self__.__class__.__name__ in ("_AddressRanges",
+                                                                  "SavedRanges")
+    rc._pop_hooks()
+    assert rc._top_hooks(True) is None
 
 
 def test_native_ranges_look_up_as_python():
@@ -313,44 +393,66 @@ def test_native_ranges_look_up_as_python():
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 
+def _step_blocks(monkeypatch, kind: str) -> tuple:
+    """One model step's ``(loss, grads, model)`` and per block ``(block id, ops whose outputs
+    became placeholders, outputs still held after forward, the ranges' type)``, with the
+    hooks as the caller set them."""
+    from mhc_megatron.recompute import manager as rc
+
+    extra = moe_overrides() if kind == "moe" else {}
+    states = []
+    init = rc._BlockState.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        states.append(self)
+
+    monkeypatch.setattr(rc._BlockState, "__init__", spy)
+    setup_cpu_megatron(seed=7)
+    cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
+    model = build_gpt(cfg, DEV)
+    loss = lm_loss(model, batch(device=DEV, seed=3))
+    blocks = [(st.block_id, sorted(st.packed_ops),
+               sorted((op, index) for op, index, expired in st.ranges.entries() if not expired),
+               type(st.ranges).__name__) for st in states]
+    loss.backward()
+    monkeypatch.setattr(rc._BlockState, "__init__", init)
+    assert blocks and all(b[1] for b in blocks)
+    return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model), \
+        blocks
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_native_hooks_decide_as_python(megatron_single_rank, monkeypatch, kind):
     """A model step with the C++ saved-tensor hooks against the same step with the Python
     ones: per block, the same ops' outputs become placeholders and the same outputs are held
     after forward; the same loss and gradients."""
     skip_without_host_replay()
-    from mhc_megatron.recompute import manager as rc
-
-    extra = moe_overrides() if kind == "moe" else {}
-    runs = {}
-    for hooks in ("python", "native"):
-        _use_hooks(monkeypatch, hooks)
-        states = []
-        init = rc._BlockState.__init__
-
-        def spy(self, *args, init=init, states=states, **kwargs):
-            init(self, *args, **kwargs)
-            states.append(self)
-
-        monkeypatch.setattr(rc._BlockState, "__init__", spy)
-        setup_cpu_megatron(seed=7)
-        cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
-                          **extra)
-        model = build_gpt(cfg, DEV)
-        loss = lm_loss(model, batch(device=DEV, seed=3))
-        blocks = [(st.block_id, sorted(st.packed_ops),
-                   sorted((op, index) for op, index, expired in st.ranges.entries()
-                          if not expired), type(st.ranges).__name__) for st in states]
-        loss.backward()
-        monkeypatch.setattr(rc._BlockState, "__init__", init)
-        runs[hooks] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
-                       model), blocks
-    (python, python_blocks), (native, native_blocks) = runs["python"], runs["native"]
+    _use_hooks(monkeypatch, "python")
+    python, python_blocks = _step_blocks(monkeypatch, kind)
+    _use_hooks(monkeypatch, "native")
+    native, native_blocks = _step_blocks(monkeypatch, kind)
     assert {b[3] for b in python_blocks} == {"_AddressRanges"}
     assert {b[3] for b in native_blocks} == {"SavedRanges"}
     assert [b[:3] for b in native_blocks] == [b[:3] for b in python_blocks]
-    assert all(b[1] for b in python_blocks)
     _assert_same(python, native)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_narrow_hooks_replace_what_whole_sublayer_hooks_do(megatron_single_rank, monkeypatch,
+                                                           kind):
+    """The hooks on only where mHC outputs are saved (pre, the input norm, the combine)
+    against the hooks on over each whole sublayer (``set_narrow_hooks(False)``): per block,
+    the same ops' outputs become placeholders and the same are held after forward; the same
+    loss and gradients."""
+    from mhc_megatron.recompute import manager as rc
+
+    monkeypatch.setattr(rc, "_NARROW_HOOKS", False)
+    whole, whole_blocks = _step_blocks(monkeypatch, kind)
+    monkeypatch.setattr(rc, "_NARROW_HOOKS", True)
+    narrow, narrow_blocks = _step_blocks(monkeypatch, kind)
+    assert narrow_blocks == whole_blocks
+    _assert_same(whole, narrow)
 
 
 def test_manager_is_shared_per_config_and_validates():

@@ -57,7 +57,7 @@ from mhc_megatron.layers.streams import (
     broadcast_streams,
     expand_streams,
 )
-from mhc_megatron.recompute.manager import manager_for
+from mhc_megatron.recompute.manager import SublayerSaving, manager_for, sublayer_saving
 
 logger = logging.getLogger(__name__)
 _said_mhc_off = False
@@ -98,16 +98,32 @@ class _StreamCombine:
     offloading with this sublayer's norm module in ``offload_modules``), or None; when the
     layer arms a :class:`StreamOffload`, the combine runs through it (its commit releases
     the streams, as Megatron's layer releases its residual after the bias-dropout-add).
+    With ``mhc_recompute`` the layer arms the sublayer's :class:`SublayerSaving`: the combine
+    runs with the block's saved-tensor hooks on, and :meth:`input_read` (the forward hook
+    of the sublayer's input norm, :meth:`watch_input_reader`) turns them off.
     """
 
     def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
         self.hyper_connection = hyper_connection
         self.offload_group = offload_group
-        self._armed: tuple[Tensor, StreamMappings, StreamOffload | None] | None = None
+        self._armed: tuple[Tensor, StreamMappings, StreamOffload | None,
+                           SublayerSaving | None] | None = None
 
     def arm(self, streams: Tensor, mappings: StreamMappings,
-            offload: StreamOffload | None = None) -> None:
-        self._armed = (streams, mappings, offload)
+            offload: StreamOffload | None = None, saving: SublayerSaving | None = None) -> None:
+        self._armed = (streams, mappings, offload, saving)
+
+    def watch_input_reader(self, module) -> None:
+        """``module`` (the sublayer's input norm) alone reads the aggregate ``y`` that pre
+        hands to Megatron's sublayer: once it has returned, ``y`` is saved, and the rest of
+        the body saves without the recompute's hooks. Only for a module whose call saves
+        ``y`` inside it (not one Megatron checkpoints: its checkpoint saves ``y`` after)."""
+        module.register_forward_hook(self.input_read)
+
+    def input_read(self, module, args, output) -> None:
+        armed = self._armed
+        if armed is not None and armed[3] is not None:
+            armed[3].off()
 
     def disarm(self) -> None:
         self._armed = None
@@ -125,13 +141,19 @@ class _StreamCombine:
                 "schedule runs mHC layers through mhc_megatron.layers.fine_grained) and "
                 "report the Megatron code path."
             )
-        streams, mappings, offload = self._armed
+        streams, mappings, offload, saving = self._armed
         self._armed = None
         if offload is not None:
             return offload.combine(
                 lambda out: self.hyper_connection.combine(streams, out, mappings, prob, training),
                 output_with_bias)
-        return self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training)
+        if saving is None:
+            return self.hyper_connection.combine(streams, output_with_bias, mappings, prob,
+                                                 training)
+        saving.on()
+        out = self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training)
+        saving.off()
+        return out
 
 
 class HyperConnectionTransformerLayer(TransformerLayer):
@@ -188,6 +210,13 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
             fine_grained.install()
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
+        if self.mhc_recompute_manager is not None:
+            if self.has_attention and reads_input_alone(self.input_layernorm,
+                                                         self.recompute_input_layernorm):
+                self.self_attn_bda.watch_input_reader(self.input_layernorm)
+            if self.has_mlp and reads_input_alone(self.pre_mlp_layernorm,
+                                                   self.recompute_pre_mlp_layernorm):
+                self.mlp_bda.watch_input_reader(self.pre_mlp_layernorm)
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
         # boundary. Megatron passes the chunk-local number and adds the offset itself.
@@ -310,6 +339,14 @@ def streams_in(hidden_states: Tensor, n: int, hidden_size: int, expands: bool,
     return expand_streams(hidden_states, n) if materialise else broadcast_streams(hidden_states, n)
 
 
+def reads_input_alone(norm, checkpointed: bool) -> bool:
+    """Whether Megatron's sublayer method hands its input ``y`` to ``norm`` alone, which
+    saves it inside its call: a norm module (not ``IdentityOp``, where Transformer Engine
+    fuses the norm into the first linear, which then reads ``y``), not run under Megatron's
+    ``layernorm`` selective recompute (whose checkpoint saves ``y`` after the call)."""
+    return not isinstance(norm, IdentityOp) and not checkpointed
+
+
 def run_sublayer(parent_method, hyper_connection: HyperConnectionModule,
                  combine: _StreamCombine, streams: Tensor, *args, **kwargs):
     """Aggregate the streams, run Megatron's sublayer method on ``y``, combine.
@@ -320,20 +357,25 @@ def run_sublayer(parent_method, hyper_connection: HyperConnectionModule,
     group configured (``combine.offload_group``), pre saves the streams by reference and the
     group opens on ``y``, before Megatron's sublayer (and its norm group), as Megatron's norm
     group opens on the norm's input; the combine commits it and releases the streams
-    (:mod:`~mhc_megatron.layers.stream_offload`).
+    (:mod:`~mhc_megatron.layers.stream_offload`). Inside an ``mhc_recompute`` block the
+    block's saved-tensor hooks are on from pre until ``y`` is saved and around the combine
+    (:class:`~mhc_megatron.recompute.manager.SublayerSaving`).
     """
-    offload = StreamOffload.begin(combine.offload_group, streams)
-    if offload is None:
-        y, mappings = hyper_connection.pre(streams)
-    else:
-        with offload.deferring():
-            y, mappings = hyper_connection.pre(streams)
-        y = offload.start(y)
-    combine.arm(streams, mappings, offload)
+    saving = sublayer_saving()
     try:
+        offload = StreamOffload.begin(combine.offload_group, streams)
+        if offload is None:
+            y, mappings = hyper_connection.pre(streams)
+        else:
+            with offload.deferring():
+                y, mappings = hyper_connection.pre(streams)
+            y = offload.start(y)
+        combine.arm(streams, mappings, offload, saving)
         return parent_method(y, *args, **kwargs)
     finally:
         combine.disarm()
+        if saving is not None:
+            saving.close()
 
 
 def _say_mhc_is_off(config) -> None:

@@ -18,12 +18,19 @@ replay of pre is its aggregate alone, not the projection over the streams and Si
 sublayers (attention, MLP/MoE) are not recomputed here; Megatron's own selective recompute
 can still run inside them.
 
-Mechanism: ``torch.autograd.graph.saved_tensors_hooks`` around each layer's forward (the
-same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved tensors
-to recorded op outputs by their storage. The hooks run for every tensor a layer saves, most of
-them the sublayers' own: where the host replay extension is built they are its C++
-``SavedRanges`` (no Python frame for a tensor that is no recorded output), else the same
-lookup in Python (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or
+Mechanism: autograd's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
+the same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved
+tensors to recorded op outputs by their storage. Only three kinds of call save such outputs:
+pre and the combine (the streams) and the module of the sublayer that reads ``y``. The hooks
+are therefore on only around those (:class:`SublayerSaving`): from pre until the sublayer's
+input norm has returned, where the layer has a norm module that alone reads ``y``, and
+around the combine; the rest of the sublayer's body (its linears, attention, an MoE layer's
+hundreds of saved tensors) saves without them, so without a Python call per saved tensor.
+Without such a norm (Transformer Engine's norm fused into the first linear, Megatron's
+``layernorm`` selective recompute, whose checkpoint saves ``y`` after the norm returns) the
+hooks stay on over the whole sublayer. Where the host replay extension is built the hooks
+are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded output), else
+the same lookup in Python (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or
 :func:`set_native_hooks` chooses it). It therefore does not use Megatron's
 ``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8 context is entered,
 op arguments may be any Python values, and outputs that need no gradient are fine (a
@@ -183,6 +190,23 @@ def native_hooks() -> bool:
     return _NATIVE_HOOKS
 
 
+_NARROW_HOOKS = os.environ.get("MHC_RECOMPUTE_NARROW_HOOKS", "1") != "0"
+
+
+def set_narrow_hooks(enabled: bool) -> None:
+    """The blocks' saved-tensor hooks only where mHC outputs are saved (pre, the sublayer's
+    input norm, the combine: :class:`SublayerSaving`), or on over each whole sublayer
+    (``MHC_RECOMPUTE_NARROW_HOOKS=0`` at start-up), for sublayers run from now on. Both
+    replace the same saved tensors; the whole-sublayer scope calls the pack hook for every
+    tensor the sublayer saves."""
+    global _NARROW_HOOKS
+    _NARROW_HOOKS = bool(enabled)
+
+
+def narrow_hooks() -> bool:
+    return _NARROW_HOOKS
+
+
 def _hooks():
     """``(ranges type, unpack hook)`` of a new block: the extension's ``SavedRanges`` and
     ``unpack_saved`` where the native hooks are on and the extension is built, else the Python
@@ -207,6 +231,7 @@ class _BlockState:
         self.deps: list[set[int]] = []
         ranges, self.unpack_hook = _hooks()
         self.ranges = ranges(weakref.ref(self), _on_hit)
+        self.pack_hook = self.ranges.pack  # one bound method: the hooks' stack holds it
         self.packed_ops: set[int] = set()
         self.outputs: dict[int, tuple] | None = None
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
@@ -337,21 +362,84 @@ class MHCRecomputeManager:
 
     @contextlib.contextmanager
     def layer_scope(self, layer_number: int, chunk_offset: int = 0):
-        """Run one layer's forward with its block's saved-tensor hooks (only with grad on)."""
+        """Run one layer's forward in its block (only with grad on): its mHC ops are recorded,
+        and each sublayer turns the block's saved-tensor hooks on where needed
+        (:func:`sublayer_saving`)."""
         if not torch.is_grad_enabled():
             yield None
             return
         state = self._state_for(layer_number, chunk_offset)
         token = _ACTIVE_BLOCK.set(state)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(state.ranges.pack, state.unpack_hook):
-                yield state
+            yield state
         finally:
             _ACTIVE_BLOCK.reset(token)
 
     def reset(self) -> None:
         """Forget the open block (the next layer opens a new one)."""
         self._current = None
+
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+class SublayerSaving:
+    """The active block's saved-tensor hooks over one residual sublayer: on from its
+    creation (before pre), off once ``y``'s reader has saved it (:meth:`off`, called by the
+    forward hook of the sublayer's input norm), on around the combine (:meth:`on` /
+    :meth:`off`), off at :meth:`close` (the end of the sublayer, also on an exception).
+
+    With :func:`set_narrow_hooks` off the hooks stay on until :meth:`close`. Hooks another
+    context pushed on top of these and has not popped yet are never popped
+    here: :meth:`off` then leaves the hooks on (the sublayer saves through them as if no
+    norm had been found), and :meth:`close` raises, since that context left its hooks on
+    past the sublayer."""
+
+    __slots__ = ("_pack", "_unpack", "_on", "_narrow")
+
+    def __init__(self, block: _BlockState):
+        self._pack = block.pack_hook
+        self._unpack = block.unpack_hook
+        self._on = False
+        self._narrow = _NARROW_HOOKS  # else on until close (set_narrow_hooks)
+        self.on()
+
+    def on(self) -> None:
+        if not self._on:
+            _push_hooks(self._pack, self._unpack)
+            self._on = True
+
+    def _on_top(self) -> bool:
+        top = _top_hooks(True)
+        return top is not None and top[0] is self._pack
+
+    def off(self) -> None:
+        if self._on and self._narrow and self._on_top():
+            _pop_hooks()
+            self._on = False
+
+    def close(self) -> None:
+        if not self._on:
+            return
+        if not self._on_top():
+            raise RuntimeError(
+                "mhc_recompute: saved-tensor hooks pushed inside an mHC sublayer (by "
+                "torch.autograd.graph.saved_tensors_hooks or a checkpoint / offload context) "
+                "were still on when the sublayer returned, so the block's own hooks cannot be "
+                "popped. Fix: close that context inside the sublayer's forward.")
+        _pop_hooks()
+        self._on = False
+
+
+def sublayer_saving() -> SublayerSaving | None:
+    """A :class:`SublayerSaving` of the active recompute block, hooks on; None outside a
+    block (no ``mhc_recompute``, grad off)."""
+    state = _ACTIVE_BLOCK.get()
+    if state is None or not torch.is_grad_enabled():
+        return None
+    return SublayerSaving(state)
 
 
 def run_recorded(fn: Callable, *args: Any, **kwargs: Any):
