@@ -203,16 +203,22 @@ def test_blocks_are_freed_by_reference_counting(megatron_single_rank, kind):
 
 def _count_hook_work(monkeypatch, **overrides) -> dict:
     """One model step's saved-tensor hook calls (after a first step): ``packs`` (tensors the
-    pack hook saw), ``hits`` (placeholders), ``args`` / ``outputs`` (tensor arguments and
-    outputs of the recorded ops) and ``full_lookups`` (lookups past the address-range check).
-    The Python hooks (the C++ ones make the same decisions:
+    pack hook saw), ``hits`` (placeholders), ``inside`` (lookups, by the pack hook or of the
+    recorded ops' arguments, of a tensor whose address lies in a registered output's range,
+    found by a linear scan) and ``full_lookups`` (lookups past the ranges' own bisect). The
+    Python hooks (the C++ ones make the same decisions:
     test_native_ranges_look_up_as_python's)."""
     from mhc_megatron.recompute import manager as rc
 
     _use_hooks(monkeypatch, "python")
-    counts = {"packs": 0, "hits": 0, "args": 0, "outputs": 0}
+    counts = {"packs": 0, "hits": 0, "inside": 0}
     states = []
-    pack, record = rc._AddressRanges.pack, rc._BlockState.record
+    pack, record, lookup = rc._AddressRanges.pack, rc._BlockState.record, rc._AddressRanges.lookup
+
+    def scanning_lookup(self, t):
+        ptr = t.data_ptr()
+        counts["inside"] += any(start <= ptr < end for start, end, *_ in self._ranges)
+        return lookup(self, t)
 
     def counting_pack(self, t):
         out = pack(self, t)
@@ -221,14 +227,13 @@ def _count_hook_work(monkeypatch, **overrides) -> dict:
         return out
 
     def counting_record(self, fn, args, kwargs, outputs):
-        counts["args"] += sum(isinstance(a, torch.Tensor) for a in args)
-        counts["outputs"] += len(outputs) if isinstance(outputs, tuple) else 1
         if self not in states:
             states.append(self)
         return record(self, fn, args, kwargs, outputs)
 
     monkeypatch.setattr(rc._AddressRanges, "pack", counting_pack)
     monkeypatch.setattr(rc._BlockState, "record", counting_record)
+    monkeypatch.setattr(rc._AddressRanges, "lookup", scanning_lookup)
     setup_cpu_megatron(seed=1)
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
                       **overrides)
@@ -236,7 +241,7 @@ def _count_hook_work(monkeypatch, **overrides) -> dict:
     data = batch(device=DEV, seed=0)
     lm_loss(model, data).backward()
     states.clear()
-    counts.update(packs=0, hits=0, args=0, outputs=0)
+    counts.update(packs=0, hits=0, inside=0)
     lm_loss(model, data).backward()
     counts["full_lookups"] = sum(st.ranges.full_lookups for st in states)
     monkeypatch.undo()
@@ -247,18 +252,16 @@ def test_hooks_see_only_the_saves_of_mhc_outputs(megatron_single_rank, monkeypat
     """The blocks' pack hook runs only where mHC outputs can be saved (pre, the sublayer's
     input norm, the combine), not for the rest of a sublayer's body: an MoE layer with 64
     experts makes it no more calls than one with 4, and an attention layer's calls are those
-    of the MLP's (the same pre, norm and combine). Only tensors inside a registered mHC
-    output's address range take the costly path (a storage weakref): costly lookups <= the
-    saved tensors that become placeholders + the tensor arguments of the recorded ops (looked
-    up too) + one per registered output (an address reused after its storage was freed)."""
+    of the MLP's (the same pre, norm and combine). A lookup takes the costly path (a storage
+    weakref) exactly when the tensor's address lies in a registered output's range (the
+    ranges' bisect against a linear scan of them)."""
     moe = {**moe_overrides(), "moe_router_topk": 2}
     few = _count_hook_work(monkeypatch, **{**moe, "num_moe_experts": 4})
     many = _count_hook_work(monkeypatch, **{**moe, "num_moe_experts": 64})
     dense = _count_hook_work(monkeypatch)
     for counts in (few, many, dense):
         assert counts["hits"] > 0, counts
-        assert counts["full_lookups"] <= counts["hits"] + counts["args"] + counts["outputs"], \
-            counts
+        assert counts["full_lookups"] == counts["inside"] >= counts["hits"], counts
     assert many["packs"] == few["packs"] == dense["packs"], (few, many, dense)
     assert many["hits"] == few["hits"] == dense["hits"]
 
