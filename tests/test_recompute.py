@@ -268,9 +268,9 @@ def test_hooks_see_only_the_saves_of_mhc_outputs(megatron_single_rank, monkeypat
 
 def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
     """Inside a recompute block the hooks are off in the attention and MLP modules (their
-    input norm has saved ``y``) and on there with Megatron's ``layernorm`` selective recompute
-    (its checkpoint saves ``y`` after the norm returns); after the forward, and after a
-    sublayer that raised, no hooks are left on."""
+    input norm has saved ``y``), and on there with Megatron's ``layernorm`` selective recompute
+    (its checkpoint saves ``y`` after the norm returns) or with ``set_narrow_hooks(False)``;
+    after the forward, and after a sublayer that raised, no hooks are left on."""
     from megatron.core import tensor_parallel
 
     from mhc_megatron.recompute import manager as rc
@@ -278,9 +278,10 @@ def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
     init = tensor_parallel.CheckpointWithoutOutput.__init__
     monkeypatch.setattr(tensor_parallel.CheckpointWithoutOutput, "__init__",
                         lambda self, fp8=None: init(self, fp8=fp8))  # 0.19: fp8=None is off
-    for extra, on_in_body in (({}, False),
-                              (dict(recompute_granularity="selective",
-                                    recompute_modules=["layernorm"]), True)):
+    layernorm = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+    for extra, narrow, on_in_body in (({}, True, False), ({}, False, True),
+                                      (layernorm, True, True)):
+        monkeypatch.setattr(rc, "_NARROW_HOOKS", narrow)
         setup_cpu_megatron(seed=1)
         cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
         model = build_gpt(cfg, DEV)
