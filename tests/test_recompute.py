@@ -305,6 +305,30 @@ def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
         lm_loss(model, batch(device=DEV, seed=0)).backward()  # runs on after the failure
 
 
+def test_torch_without_the_hook_stack_top_keeps_hooks_over_the_sublayer(megatron_single_rank,
+                                                                       monkeypatch):
+    """A torch that cannot show the top of its saved-tensor hook stack: the hooks stay on over
+    each sublayer (on in the attention and MLP), none is left after the forward, and the step's
+    loss and gradients are those of the narrow scope."""
+    from mhc_megatron.recompute import manager as rc
+
+    narrow = _step_blocks(monkeypatch, "dense")
+    top = rc._top_hooks
+    monkeypatch.setattr(rc, "_top_hooks", None)
+    setup_cpu_megatron(seed=1)
+    model = build_gpt(tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2),
+                      DEV)
+    seen = []
+    for layer in model.decoder.layers:
+        for body in (layer.self_attention, layer.mlp):
+            body.register_forward_pre_hook(lambda m, a: seen.append(top(True) is not None))
+    lm_loss(model, batch(device=DEV, seed=0)).backward()
+    assert seen == [True] * 4 and top(True) is None
+    whole = _step_blocks(monkeypatch, "dense")
+    assert whole[1] == narrow[1]
+    _assert_same(narrow[0], whole[0])
+
+
 def test_hooks_left_on_by_a_sublayer_are_an_error(megatron_single_rank):
     """Hooks pushed inside a sublayer while the block's are on (here before its input norm)
     and not popped: the block's own cannot be popped, which is said with the fix, not

@@ -382,7 +382,9 @@ class MHCRecomputeManager:
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+# (pack, unpack) on top of autograd's hook stack; a torch without it (older releases) keeps
+# the hooks on over the whole sublayer, popped at its end as saved_tensors_hooks does
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class SublayerSaving:
@@ -403,7 +405,8 @@ class SublayerSaving:
         self._pack = block.pack_hook
         self._unpack = block.unpack_hook
         self._on = False
-        self._narrow = _NARROW_HOOKS  # else on until close (set_narrow_hooks)
+        # else on until close (set_narrow_hooks, or a torch that cannot show its stack's top)
+        self._narrow = _NARROW_HOOKS and _top_hooks is not None
         self.on()
 
     def on(self) -> None:
@@ -423,7 +426,7 @@ class SublayerSaving:
     def close(self) -> None:
         if not self._on:
             return
-        if not self._on_top():
+        if _top_hooks is not None and not self._on_top():
             raise RuntimeError(
                 "mhc_recompute: saved-tensor hooks pushed inside an mHC sublayer (by "
                 "torch.autograd.graph.saved_tensors_hooks or a checkpoint / offload context) "
