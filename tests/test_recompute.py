@@ -266,6 +266,20 @@ def test_hooks_see_only_the_saves_of_mhc_outputs(megatron_single_rank, monkeypat
     assert many["hits"] == few["hits"] == dense["hits"]
 
 
+def _hooks_on_in_bodies(model, top) -> list[bool]:
+    """One model step: whether saved-tensor hooks were on as each attention and MLP module
+    began (``top``: torch's ``_top_saved_tensors_default_hooks``), in call order. None are on
+    after the step."""
+    seen = []
+    handles = [body.register_forward_pre_hook(lambda m, a: seen.append(top(True) is not None))
+               for layer in model.decoder.layers for body in (layer.self_attention, layer.mlp)]
+    lm_loss(model, batch(device=DEV, seed=0)).backward()
+    for handle in handles:
+        handle.remove()
+    assert top(True) is None
+    return seen
+
+
 def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
     """Inside a recompute block the hooks are off in the attention and MLP modules (their
     input norm has saved ``y``), and on there with Megatron's ``layernorm`` selective recompute
@@ -285,14 +299,7 @@ def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
         setup_cpu_megatron(seed=1)
         cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
         model = build_gpt(cfg, DEV)
-        seen = []
-        for layer in model.decoder.layers:
-            for body in (layer.self_attention, layer.mlp):
-                body.register_forward_pre_hook(
-                    lambda m, a: seen.append(rc._top_hooks(True) is not None))
-        lm_loss(model, batch(device=DEV, seed=0)).backward()
-        assert seen == [on_in_body] * 4, (extra, seen)
-        assert rc._top_hooks(True) is None
+        assert _hooks_on_in_bodies(model, rc._top_hooks) == [on_in_body] * 4, extra
 
         def fail(m, a):
             raise RuntimeError("sublayer failed")
@@ -318,12 +325,7 @@ def test_torch_without_the_hook_stack_top_keeps_hooks_over_the_sublayer(megatron
     setup_cpu_megatron(seed=1)
     model = build_gpt(tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2),
                       DEV)
-    seen = []
-    for layer in model.decoder.layers:
-        for body in (layer.self_attention, layer.mlp):
-            body.register_forward_pre_hook(lambda m, a: seen.append(top(True) is not None))
-    lm_loss(model, batch(device=DEV, seed=0)).backward()
-    assert seen == [True] * 4 and top(True) is None
+    assert _hooks_on_in_bodies(model, top) == [True] * 4
     whole = _step_blocks(monkeypatch, "dense")
     assert whole[1] == narrow[1]
     _assert_same(narrow[0], whole[0])

@@ -45,7 +45,6 @@ from mhc_megatron.layers.streams import StreamContractingNorm
 from mhc_megatron.layers.transformer_layer import (
     HyperConnectionTransformerLayer,
     _StreamCombine,
-    reads_input_alone,
     recompute_scope,
     refuse_pipelined_inference,
     require_mhc_config,
@@ -104,8 +103,8 @@ class HyperConnectionMambaLayer(MambaLayer):
         self.mixer_hyper_connection = build_module(spec, config=config)
         self.mamba_bda = _StreamCombine(self.mixer_hyper_connection)
         self.mhc_recompute_manager = manager_for(config)
-        if self.mhc_recompute_manager is not None and reads_input_alone(self.norm, False):
-            self.mamba_bda.watch_input_reader(self.norm)
+        if self.mhc_recompute_manager is not None:
+            self.mamba_bda.watch_input_norm(self.norm)
         self.mhc_chunk_offset = 0  # set by MHCHybridStack to its pipeline segment's offset
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):

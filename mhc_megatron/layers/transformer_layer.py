@@ -100,7 +100,7 @@ class _StreamCombine:
     the streams, as Megatron's layer releases its residual after the bias-dropout-add).
     With ``mhc_recompute`` the layer arms the sublayer's :class:`SublayerSaving`: the combine
     runs with the block's saved-tensor hooks on, and :meth:`input_read` (the forward hook
-    of the sublayer's input norm, :meth:`watch_input_reader`) turns them off.
+    of the sublayer's input norm, :meth:`watch_input_norm`) turns them off.
     """
 
     def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
@@ -113,12 +113,15 @@ class _StreamCombine:
             offload: StreamOffload | None = None, saving: SublayerSaving | None = None) -> None:
         self._armed = (streams, mappings, offload, saving)
 
-    def watch_input_reader(self, module) -> None:
-        """``module`` (the sublayer's input norm) alone reads the aggregate ``y`` that pre
-        hands to Megatron's sublayer: once it has returned, ``y`` is saved, and the rest of
-        the body saves without the recompute's hooks. Only for a module whose call saves
-        ``y`` inside it (not one Megatron checkpoints: its checkpoint saves ``y`` after)."""
-        module.register_forward_hook(self.input_read)
+    def watch_input_norm(self, norm, checkpointed: bool = False) -> None:
+        """Where Megatron's sublayer method hands the aggregate ``y`` to ``norm`` alone, which
+        saves it inside its call (a norm module, not ``IdentityOp``, where Transformer Engine
+        fuses the norm into the first linear, which then reads ``y``; not ``checkpointed`` by
+        Megatron's ``layernorm`` selective recompute, whose checkpoint saves ``y`` after the
+        call): once ``norm`` has returned, the rest of the body saves without the
+        recompute's hooks. Elsewhere they stay on over the sublayer."""
+        if not isinstance(norm, IdentityOp) and not checkpointed:
+            norm.register_forward_hook(self.input_read)
 
     def input_read(self, module, args, output) -> None:
         armed = self._armed
@@ -211,12 +214,12 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             fine_grained.install()
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
         if self.mhc_recompute_manager is not None:
-            if self.has_attention and reads_input_alone(self.input_layernorm,
-                                                         self.recompute_input_layernorm):
-                self.self_attn_bda.watch_input_reader(self.input_layernorm)
-            if self.has_mlp and reads_input_alone(self.pre_mlp_layernorm,
-                                                   self.recompute_pre_mlp_layernorm):
-                self.mlp_bda.watch_input_reader(self.pre_mlp_layernorm)
+            if self.has_attention:
+                self.self_attn_bda.watch_input_norm(self.input_layernorm,
+                                                    self.recompute_input_layernorm)
+            if self.has_mlp:
+                self.mlp_bda.watch_input_norm(self.pre_mlp_layernorm,
+                                              self.recompute_pre_mlp_layernorm)
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
         # boundary. Megatron passes the chunk-local number and adds the offset itself.
@@ -337,14 +340,6 @@ def streams_in(hidden_states: Tensor, n: int, hidden_size: int, expands: bool,
             f"layer 1 hidden states of width hidden_size={hidden_size}; later layers take the "
             f"streams [s, b, {n}*{hidden_size}].")
     return expand_streams(hidden_states, n) if materialise else broadcast_streams(hidden_states, n)
-
-
-def reads_input_alone(norm, checkpointed: bool) -> bool:
-    """Whether Megatron's sublayer method hands its input ``y`` to ``norm`` alone, which
-    saves it inside its call: a norm module (not ``IdentityOp``, where Transformer Engine
-    fuses the norm into the first linear, which then reads ``y``), not run under Megatron's
-    ``layernorm`` selective recompute (whose checkpoint saves ``y`` after the call)."""
-    return not isinstance(norm, IdentityOp) and not checkpointed
 
 
 def run_sublayer(parent_method, hyper_connection: HyperConnectionModule,
