@@ -280,6 +280,57 @@ def _hooks_on_in_bodies(model, top) -> list[bool]:
     return seen
 
 
+def _spec_of(cfg, family: str) -> tuple:
+    """``build_gpt``'s ``(spec, te)`` for a spec family: ``local`` (Megatron's local modules),
+    ``te`` (Transformer Engine's: the input norms of the attention and a dense MLP fused into
+    ``linear_qkv`` / ``linear_fc1``, the layer's norm ``IdentityOp``), ``no_norm_module``
+    (the local modules with both norms ``IdentityOp``: ``linear_qkv`` / ``linear_fc1``, an
+    MoE layer's router and experts read ``y`` themselves, as with TE's fused norms)."""
+    if family != "no_norm_module":
+        return None, family == "te"
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec
+
+    spec = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
+    for layer in spec.layer_specs:
+        layer.submodules.input_layernorm = IdentityOp
+        layer.submodules.pre_mlp_layernorm = IdentityOp
+    return spec, False
+
+
+@pytest.mark.parametrize("family", ["no_norm_module", pytest.param("te", marks=needs_te)])
+def test_hooks_turn_off_after_the_first_linear_without_a_norm_module(megatron_single_rank,
+                                                                     monkeypatch, family):
+    """Where the layer's input norm is ``IdentityOp`` (TE's norm fused into ``linear_qkv`` /
+    ``linear_fc1``, or no norm), that linear reads ``y``: the hooks are on as it begins and
+    off past it (as the attention's ``linear_proj`` and the MLP's ``linear_fc2`` begin); with
+    ``set_narrow_hooks(False)`` they are on in both."""
+    from mhc_megatron.recompute import manager as rc
+
+    for narrow in (True, False):
+        monkeypatch.setattr(rc, "_NARROW_HOOKS", narrow)
+        setup_cpu_megatron(seed=1)
+        cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2)
+        model = build_gpt(cfg, DEV, *_spec_of(cfg, family))
+        seen = {}
+        handles = []
+        for layer in model.decoder.layers:
+            assert type(layer.input_layernorm).__name__ == "IdentityOp"
+            for name, module in (("first", layer.self_attention.linear_qkv),
+                                 ("past", layer.self_attention.linear_proj),
+                                 ("first", layer.mlp.linear_fc1),
+                                 ("past", layer.mlp.linear_fc2)):
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, a, name=name: seen.setdefault(name, []).append(
+                        rc._top_hooks(True) is not None)))
+        lm_loss(model, batch(device=DEV, seed=0)).backward()
+        for handle in handles:
+            handle.remove()
+        assert seen == {"first": [True] * 4, "past": [not narrow] * 4}, (narrow, seen)
+        assert rc._top_hooks(True) is None
+
+
 def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
     """Inside a recompute block the hooks are off in the attention and MLP modules (their
     input norm has saved ``y``), and on there with Megatron's ``layernorm`` selective recompute
@@ -423,10 +474,10 @@ def test_native_ranges_look_up_as_python():
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 
-def _step_blocks(monkeypatch, kind: str) -> tuple:
+def _step_blocks(monkeypatch, kind: str, family: str = "local") -> tuple:
     """One model step's ``(loss, grads, model)`` and per block ``(block id, ops whose outputs
     became placeholders, outputs still held after forward, the ranges' type)``, with the
-    hooks as the caller set them."""
+    hooks as the caller set them; ``family``: the layer specs (:func:`_spec_of`)."""
     from mhc_megatron.recompute import manager as rc
 
     extra = moe_overrides() if kind == "moe" else {}
@@ -440,7 +491,7 @@ def _step_blocks(monkeypatch, kind: str) -> tuple:
     monkeypatch.setattr(rc._BlockState, "__init__", spy)
     setup_cpu_megatron(seed=7)
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
-    model = build_gpt(cfg, DEV)
+    model = build_gpt(cfg, DEV, *_spec_of(cfg, family))
     loss = lm_loss(model, batch(device=DEV, seed=3))
     blocks = [(st.block_id, sorted(st.packed_ops),
                sorted((op, index) for op, index, expired in st.ranges.entries() if not expired),
@@ -468,19 +519,23 @@ def test_native_hooks_decide_as_python(megatron_single_rank, monkeypatch, kind):
     _assert_same(python, native)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind,family", [("dense", "local"), ("moe", "local"),
+                                         ("dense", "no_norm_module"), ("moe", "no_norm_module"),
+                                         pytest.param("dense", "te", marks=needs_te),
+                                         pytest.param("moe", "te", marks=needs_te)])
 def test_narrow_hooks_replace_what_whole_sublayer_hooks_do(megatron_single_rank, monkeypatch,
-                                                           kind):
-    """The hooks on only where mHC outputs are saved (pre, the input norm, the combine)
-    against the hooks on over each whole sublayer (``set_narrow_hooks(False)``): per block,
-    the same ops' outputs become placeholders and the same are held after forward; the same
-    loss and gradients."""
+                                                           kind, family):
+    """The hooks on only where mHC outputs are saved (pre, the module that reads ``y``: the
+    input norm, or the first linear where the layer has no norm module of its own, as with
+    Transformer Engine's fused norms; the combine) against the hooks on over each whole
+    sublayer (``set_narrow_hooks(False)``): per block, the same ops' outputs become
+    placeholders and the same are held after forward; the same loss and gradients."""
     from mhc_megatron.recompute import manager as rc
 
     monkeypatch.setattr(rc, "_NARROW_HOOKS", False)
-    whole, whole_blocks = _step_blocks(monkeypatch, kind)
+    whole, whole_blocks = _step_blocks(monkeypatch, kind, family)
     monkeypatch.setattr(rc, "_NARROW_HOOKS", True)
-    narrow, narrow_blocks = _step_blocks(monkeypatch, kind)
+    narrow, narrow_blocks = _step_blocks(monkeypatch, kind, family)
     assert narrow_blocks == whole_blocks
     _assert_same(whole, narrow)
 

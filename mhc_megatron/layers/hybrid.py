@@ -104,7 +104,7 @@ class HyperConnectionMambaLayer(MambaLayer):
         self.mamba_bda = _StreamCombine(self.mixer_hyper_connection)
         self.mhc_recompute_manager = manager_for(config)
         if self.mhc_recompute_manager is not None:
-            self.mamba_bda.watch_input_norm(self.norm)
+            self.mamba_bda.watch_input_reader(self.norm, self.mixer)
         self.mhc_chunk_offset = 0  # set by MHCHybridStack to its pipeline segment's offset
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):

@@ -100,7 +100,7 @@ class _StreamCombine:
     the streams, as Megatron's layer releases its residual after the bias-dropout-add).
     With ``mhc_recompute`` the layer arms the sublayer's :class:`SublayerSaving`: the combine
     runs with the block's saved-tensor hooks on, and :meth:`input_read` (the forward hook
-    of the sublayer's input norm, :meth:`watch_input_norm`) turns them off.
+    of the module that reads ``y``, :meth:`watch_input_reader`) turns them off.
     """
 
     def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
@@ -113,15 +113,15 @@ class _StreamCombine:
             offload: StreamOffload | None = None, saving: SublayerSaving | None = None) -> None:
         self._armed = (streams, mappings, offload, saving)
 
-    def watch_input_norm(self, norm, checkpointed: bool = False) -> None:
-        """Where Megatron's sublayer method hands the aggregate ``y`` to ``norm`` alone, which
-        saves it inside its call (a norm module, not ``IdentityOp``, where Transformer Engine
-        fuses the norm into the first linear, which then reads ``y``; not ``checkpointed`` by
-        Megatron's ``layernorm`` selective recompute, whose checkpoint saves ``y`` after the
-        call): once ``norm`` has returned, the rest of the body saves without the
-        recompute's hooks. Elsewhere they stay on over the sublayer."""
-        if not isinstance(norm, IdentityOp) and not checkpointed:
-            norm.register_forward_hook(self.input_read)
+    def watch_input_reader(self, norm, body, checkpointed: bool = False) -> None:
+        """Turn the recompute's hooks off once the module of the sublayer that alone reads
+        and saves the aggregate ``y`` has returned (:func:`input_reader` of ``norm``, the
+        sublayer's input norm, ``body``, its attention / MLP / mixer, and ``checkpointed``,
+        Megatron's ``layernorm`` recompute of that norm): the rest of the body then saves
+        without them. Where there is no such module the hooks stay on over the sublayer."""
+        reader = input_reader(norm, body, checkpointed)
+        if reader is not None:
+            reader.register_forward_hook(self.input_read)
 
     def input_read(self, module, args, output) -> None:
         armed = self._armed
@@ -157,6 +157,38 @@ class _StreamCombine:
         out = self.hyper_connection.combine(streams, output_with_bias, mappings, prob, training)
         saving.off()
         return out
+
+
+# Sublayer bodies that read their input ``y`` through one first linear alone, by class
+# (``module.qualname``, the exact class: a subclass may read ``y`` elsewhere too) -> that
+# linear's attribute. Transformer Engine specs fuse the input norm into that linear
+# (``TELayerNormColumnParallelLinear``) and leave the layer's norm ``IdentityOp``.
+_FIRST_LINEARS = {
+    "megatron.core.transformer.attention.SelfAttention": "linear_qkv",
+    "megatron.core.transformer.mlp.MLP": "linear_fc1",
+    "megatron.core.ssm.mamba_mixer.MambaMixer": "in_proj",
+    "megatron.core.ssm.gated_delta_net.gdn.GatedDeltaNet": "in_proj",
+}
+
+
+def input_reader(norm, body, checkpointed: bool = False):
+    """The module whose call alone reads and saves a sublayer's input ``y``, or None.
+
+    Megatron's sublayer method hands ``y`` to the input ``norm`` and the norm's output to
+    ``body``. The reader is ``norm`` where it is a module of its own (not ``IdentityOp``);
+    with ``IdentityOp`` (a Transformer Engine norm fused into the first linear, or no norm)
+    ``body``'s first linear where ``body`` reads ``y`` only through it (``_FIRST_LINEARS``:
+    ``SelfAttention.linear_qkv``, ``MLP.linear_fc1``, ``MambaMixer.in_proj``,
+    ``GatedDeltaNet.in_proj``). None under Megatron's ``layernorm`` recompute
+    (``checkpointed``: its checkpoint saves ``y`` after the norm returns) and for other bodies
+    (an MoE layer's router and dispatcher both read ``y``; MLA)."""
+    if checkpointed:
+        return None
+    if not isinstance(norm, IdentityOp):
+        return norm
+    cls = type(body)
+    name = _FIRST_LINEARS.get(f"{cls.__module__}.{cls.__qualname__}")
+    return None if name is None else getattr(body, name, None)
 
 
 class HyperConnectionTransformerLayer(TransformerLayer):
@@ -215,11 +247,11 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.mhc_recompute_manager = manager_for(config)  # shared by the decoder's layers
         if self.mhc_recompute_manager is not None:
             if self.has_attention:
-                self.self_attn_bda.watch_input_norm(self.input_layernorm,
-                                                    self.recompute_input_layernorm)
+                self.self_attn_bda.watch_input_reader(self.input_layernorm, self.self_attention,
+                                                      self.recompute_input_layernorm)
             if self.has_mlp:
-                self.mlp_bda.watch_input_norm(self.pre_mlp_layernorm,
-                                              self.recompute_pre_mlp_layernorm)
+                self.mlp_bda.watch_input_reader(self.pre_mlp_layernorm, self.mlp,
+                                                self.recompute_pre_mlp_layernorm)
         # Global number of this pipeline chunk's first layer, minus 1 (0 without PP): recompute
         # blocks are counted from there, so none spans a pipeline-stage (or virtual-chunk)
         # boundary. Megatron passes the chunk-local number and adds the offset itself.

@@ -22,12 +22,15 @@ Mechanism: autograd's saved-tensor hooks (``torch.autograd.graph.saved_tensors_h
 the same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved
 tensors to recorded op outputs by their storage. Only three kinds of call save such outputs:
 pre and the combine (the streams) and the module of the sublayer that reads ``y``. The hooks
-are therefore on only around those (:class:`SublayerSaving`): from pre until the sublayer's
-input norm has returned, where the layer has a norm module that alone reads ``y``, and
-around the combine; the rest of the sublayer's body (its linears, attention, an MoE layer's
-hundreds of saved tensors) saves without them, so without a Python call per saved tensor.
-Without such a norm (Transformer Engine's norm fused into the first linear, Megatron's
-``layernorm`` selective recompute, whose checkpoint saves ``y`` after the norm returns) the
+are therefore on only around those (:class:`SublayerSaving`): from pre until the module that
+alone reads ``y`` has returned, and around the combine; the rest of the sublayer's body (its
+linears, attention, an MoE layer's hundreds of saved tensors) saves without them, so without
+a Python call per saved tensor. That module is the sublayer's input norm, or, where
+Transformer Engine fuses the norm into the first linear (the layer's norm is ``IdentityOp``),
+that linear of an attention, MLP or Mamba / gated-delta-net mixer
+(:func:`~mhc_megatron.layers.transformer_layer.input_reader`). Without one (an MoE layer
+without its own norm, whose router and dispatcher both read ``y``; Megatron's ``layernorm``
+selective recompute, whose checkpoint saves ``y`` after the norm returns) the
 hooks stay on over the whole sublayer. Where the host replay extension is built the hooks
 are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded output), else
 the same lookup in Python (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or
@@ -390,13 +393,13 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 class SublayerSaving:
     """The active block's saved-tensor hooks over one residual sublayer: on from its
     creation (before pre), off once ``y``'s reader has saved it (:meth:`off`, called by the
-    forward hook of the sublayer's input norm), on around the combine (:meth:`on` /
+    forward hook of the sublayer's input norm or fused first linear), on around the combine (:meth:`on` /
     :meth:`off`), off at :meth:`close` (the end of the sublayer, also on an exception).
 
     With :func:`set_narrow_hooks` off the hooks stay on until :meth:`close`. Hooks another
     context pushed on top of these and has not popped yet are never popped
     here: :meth:`off` then leaves the hooks on (the sublayer saves through them as if no
-    norm had been found), and :meth:`close` raises, since that context left its hooks on
+    reader had been found), and :meth:`close` raises, since that context left its hooks on
     past the sublayer."""
 
     __slots__ = ("_pack", "_unpack", "_on", "_narrow")
