@@ -28,12 +28,16 @@ library's path). ``--python-hooks`` (with ``--recompute``): also mHC + recompute
 steps), to compare with the C++ hooks in the same process. ``--whole-sublayer-hooks`` (with
 ``--recompute``): also mHC + recompute with the hooks on over each whole sublayer
 (``set_narrow_hooks(False)``), not only where mHC outputs are saved.
+Every run's timed steps count Python's garbage collections (a step's collections of each
+generation, and the host ms a step spent in them); every run's steps of a round start after a
+``gc.collect()``.
 Extra arguments go to the example's parser (``--preset``, ``--precision`` ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -197,6 +201,36 @@ class ModuleSpans:
         return lines
 
 
+class GCStats:
+    """Python's garbage collections while ``run`` names a run (``gc.callbacks``): their count
+    by ``(run, generation)`` and host ms by run."""
+
+    run: str | None = None
+    counts: dict = {}
+    ms: dict = {}
+    _start = 0.0
+
+    @classmethod
+    def install(cls) -> None:
+        gc.callbacks.append(cls._callback)
+
+    @classmethod
+    def _callback(cls, phase: str, info: dict) -> None:
+        if cls.run is None:
+            return
+        if phase == "start":
+            cls._start = time.perf_counter()
+            return
+        key = (cls.run, info["generation"])
+        cls.counts[key] = cls.counts.get(key, 0) + 1
+        cls.ms[cls.run] = cls.ms.get(cls.run, 0.0) + 1e3 * (time.perf_counter() - cls._start)
+
+    @classmethod
+    def cell(cls, run: str, steps: int) -> str:
+        per_gen = " / ".join(f"{cls.counts.get((run, g), 0) / steps:.1f}" for g in range(3))
+        return f"{per_gen}; {cls.ms.get(run, 0.0) / steps:.2f}"
+
+
 def synced_steps(step, count: int, host: list) -> list[float]:
     """``count`` steps, each loss read right after its step (the example's loop): the steps'
     times in ms; their host times (until the step's work is issued) appended to ``host``."""
@@ -313,9 +347,15 @@ def main(argv=None):
     host = {name: [] for name in steps}
     round_medians = {name: [] for name in steps}
     timed = overlapped_steps if args.overlap else synced_steps
+    GCStats.install()
     for _ in range(args.rounds):
         for name, step in steps.items():
-            times = timed(step, args.steps, host[name])
+            gc.collect()
+            GCStats.run = name
+            try:
+                times = timed(step, args.steps, host[name])
+            finally:
+                GCStats.run = None
             wall[name] += times
             round_medians[name].append(statistics.median(times))
     base = statistics.median(wall["baseline"])
@@ -327,15 +367,17 @@ def main(argv=None):
              "",
              "| run | step ms, median | step ms, min | host ms until the step returns, median "
              "| over the baseline | per sublayer over the baseline, us | over the baseline, "
-             "paired: median of the rounds' ratios (range) |",
-             "|---|---|---|---|---|---|---|"]
+             "paired: median of the rounds' ratios (range) | GC collections a step, "
+             "generation 0 / 1 / 2; ms a step in them |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in steps:
         med = statistics.median(wall[name])
         paired = paired_ratios(round_medians[name], round_medians["baseline"])
         lines.append(f"| {name} | {med:.2f} | {min(wall[name]):.2f} | "
                      f"{statistics.median(host[name]):.2f} | {med / base:.3f}x | "
                      f"{1e3 * (med - base) / sub:+.0f} | {statistics.median(paired):.3f}x "
-                     f"({min(paired):.3f}-{max(paired):.3f}) |")
+                     f"({min(paired):.3f}-{max(paired):.3f}) | "
+                     f"{GCStats.cell(name, len(wall[name]))} |")
     if args.spans:
         lines += Spans.rows(list(steps), phases)
     if args.module_spans:
