@@ -393,8 +393,9 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 class SublayerSaving:
     """The active block's saved-tensor hooks over one residual sublayer: on from its
     creation (before pre), off once ``y``'s reader has saved it (:meth:`off`, called by the
-    forward hook of the sublayer's input norm or fused first linear), on around the combine (:meth:`on` /
-    :meth:`off`), off at :meth:`close` (the end of the sublayer, also on an exception).
+    forward hook of the sublayer's input norm or fused first linear), on around the combine
+    (:meth:`on` / :meth:`off`), off at :meth:`close` (the end of the sublayer, also on an
+    exception).
 
     With :func:`set_narrow_hooks` off the hooks stay on until :meth:`close`. Hooks another
     context pushed on top of these and has not popped yet are never popped
