@@ -470,6 +470,58 @@ def test_broadcast_streams_equal_their_copy(t, n, c, dtype, monkeypatch):
         assert rel_err(b, r) < TOL[dtype], f"{name}: rel err {rel_err(b, r):.2e} to the reference"
 
 
+DX_STREAMS_CASES = [(19, 2, 33), (17, 4, 24), (3, 8, 5), (21, 4, 130), (9, 8, 40)]
+
+
+@pytest.mark.parametrize("t,n,c", DX_STREAMS_CASES + ([(4097, 4, 1000), (1000, 4, 4096),
+                                                        (2049, 8, 256)] if CUDA else []))
+@pytest.mark.parametrize("streams", [2, 4, 8])
+@pytest.mark.parametrize("layout", ["streams", "broadcast"])
+def test_dx_pass_over_several_streams_a_program(monkeypatch, t, n, c, streams, layout):
+    """``TILES.dx_streams``: programs of pre's dx pass that cover 2, 4 or 8 streams (at most
+    n; the tile's channels split among them) give the same ``dx`` bits as one stream a
+    program (a token's dx is formed in one program either way), with the combine's ``g``
+    handed over (a sublayer: pre, then the combine on pre's x) and without (pre alone), on
+    the streams and on global layer 1's broadcast view; ``dphi`` and the other gradients (their
+    split sums can fall in other places) equal one stream a program's to fp32 rounding and
+    the reference to the usual tolerance."""
+    from mhc_megatron.kernels import native_autograd
+    from mhc_megatron.kernels.triton_common import TILES
+
+    monkeypatch.setattr(native_autograd, "_ENABLED", False)
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(t + n + c)
+    h = torch.randn(t, c, generator=g).to(DEV, dtype)
+    xs = torch.randn(t, n, c, generator=g).to(DEV, dtype)
+    phi, alpha, bias = _params(n, c, seed=t)
+    w = torch.randn(c, generator=g).to(DEV, dtype)
+    up = torch.randn(t, n, c, generator=g).to(DEV, dtype)
+    dy = torch.randn(t, c, generator=g).to(DEV, dtype)
+
+    def run(ops_pre, ops_combine, sublayer):
+        leaves = [v.detach().clone().requires_grad_() for v in (h, xs, phi, alpha, bias, w)]
+        hl, xl, *params = leaves
+        x = hl.view(t, 1, c).expand(t, n, c) if layout == "broadcast" else xl
+        y, h_pre, h_post, h_res = ops_pre(x, *params[:3], 20, 1e-6)
+        if sublayer:
+            ops_combine(x, y * params[3], None, h_res, h_post).backward(up)
+        else:
+            y.backward(dy)
+        source = hl if layout == "broadcast" else xl
+        return [source.grad] + [p.grad for p in params[:3]]
+
+    for sublayer in (True, False):
+        monkeypatch.setattr(TILES, "dx_streams", 1)
+        one = run(triton_mhc.pre, triton_mhc.combine, sublayer)
+        monkeypatch.setattr(TILES, "dx_streams", streams)
+        several = run(triton_mhc.pre, triton_mhc.combine, sublayer)
+        reference = run(ref.pre, ref.expand_combine, sublayer)
+        assert torch.equal(several[0], one[0]), ("dx", sublayer)
+        for name, a, b, r in zip(("dx", "dphi", "dalpha", "dbias"), several, one, reference):
+            assert rel_err(a, b) < 1e-5, (name, sublayer, rel_err(a, b))
+            assert rel_err(a, r) < TOL[dtype], (name, sublayer, rel_err(a, r))
+
+
 def test_dx_pass_drops_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch):
     """With the combine's ``g`` each loop stage of pre's dx pass buffers n stream tiles of it;
     where the GPU's shared memory cannot hold the plan's stages (n=8 in fp32 on an H100),

@@ -23,6 +23,7 @@ pass at as many loop stages as fit in shared memory).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import triton
@@ -152,21 +153,31 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
                  dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 PREC: tl.constexpr, X_BCAST: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                 SP: tl.constexpr, PREC: tl.constexpr, X_BCAST: tl.constexpr,
+                 LOOP_STAGES: tl.constexpr):
     """One pass over x for both x and phi gradients of "pre".
 
-    Program (stream s, channel block, token split) walks its tokens:
+    Program (``SP`` streams, a block of ``BC`` channels, token split) walks its tokens:
     ``dx[t, s, c] = (dP @ phi)[t, s*C+c] + coef[t] x[t, s, c] + h_pre[t, s] dy[t, c]
     (+ sum_i H_res[t, i, s] g[t, i, c], the combine's dx from its upstream gradient ``g``
     [T, N, C] and ``H_res`` [T, N, N], when HAS_G: the fold of
     :class:`~mhc_megatron.kernels.handoff.DxLink`)`` and accumulates
-    ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. The stream index varies
-    fastest in the launch order, so the N programs sharing a dy tile run together (L2).
+    ``dphi_part[split, :, s*C+c] = sum_t dP[t, :]^T x[t, s, c]``. ``SP`` = 1: stream ``s``;
+    the stream index varies fastest in the launch order, so the N programs sharing a dy tile
+    (and the N tiles of ``g``) run together and share them through L2. ``SP`` > 1: the tile's
+    column ``j`` is stream ``s0 + j // BC``, channel ``c0 + j % BC`` (``SP * BC`` columns), so
+    one program reads the dy tile and the N tiles of ``g`` once for its SP streams (dP's rows
+    are read once a program either way, by as many programs a token).
     The token loop is software-pipelined as a whole (``LOOP_STAGES``): the launch's
     ``num_stages`` would pipeline only the loads that feed a ``tl.dot`` (dP, x), not those of
     dy and of the combine's ``g``."""
-    s = tl.program_id(0) % N
-    c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
+    if SP == 1:  # s: the program's stream
+        s = tl.program_id(0) % N
+        c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
+    else:  # s, c: each column's stream and channel
+        j = tl.arange(0, SP * BC)
+        s = (tl.program_id(0) % (N // SP)) * SP + j // BC
+        c = (tl.program_id(0) // (N // SP)) * BC + j % BC
     split = tl.program_id(1)
     cmask = c < C
     K = N * C
@@ -175,7 +186,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
     mcol = tl.arange(0, MP)
     ph = tl.load(phi_ptr + mcol[:, None].to(tl.int64) * K + k[None, :],
                  mask=(mcol[:, None] < M) & cmask[None, :], other=0.0).to(tl.float32)
-    dphi = tl.zeros([MP, BC], dtype=tl.float32)
+    dphi = tl.zeros([MP, SP * BC], dtype=tl.float32)
     t_start = split * TOKENS_PER_SPLIT
     for t0 in tl.range(t_start, t_start + TOKENS_PER_SPLIT, BT, num_stages=LOOP_STAGES):
         t = t0 + tl.arange(0, BT)
@@ -184,18 +195,27 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
         m2 = tmask[:, None] & cmask[None, :]
         dp = tl.load(dp_ptr + t64[:, None] * MP + mcol[None, :], mask=tmask[:, None], other=0.0)
         coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
-        h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)
+        if SP == 1:
+            h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)[:, None]
+        else:
+            h_s = tl.load(hpre_ptr + t64[:, None] * N + s[None, :], mask=tmask[:, None],
+                          other=0.0)
         dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
         offs = t64[:, None] * K + k[None, :]  # dx: [T, N, C]
         xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
                      other=0.0).to(tl.float32)
-        dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s[:, None] * dy
-        if HAS_G:  # g's N stream tiles, shared by the N programs of a block (L2)
+        dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s * dy
+        if HAS_G:  # g's N stream tiles (SP = 1: shared by the N programs of a block, in L2)
             for i in tl.static_range(N):
                 g_i = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2,
                               other=0.0).to(tl.float32)
-                h_is = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask, other=0.0)
-                dxs += h_is[:, None] * g_i
+                if SP == 1:
+                    h_is = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask,
+                                   other=0.0)[:, None]
+                else:
+                    h_is = tl.load(hres_ptr + t64[:, None] * (N * N) + i * N + s[None, :],
+                                   mask=tmask[:, None], other=0.0)
+                dxs += h_is * g_i
         tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
     tl.store(dphi_ptr + split.to(tl.int64) * MP * K + mcol[:, None] * K + k[None, :], dphi,
@@ -289,12 +309,13 @@ class _BackwardShapes(LaunchPlan):
         self.dh_grid = (cdiv(T, bt), self.dh_splits)
         self.dh_per = per
         self.dh_meta = Meta(N=n, BT=bt, BC=bc, X_BCAST=bcast, num_warps=warps)
-        bt_dx, bc_dx, warps_dx, stages_dx = TILES.dx
-        bc_dx = min(bc_dx, max(16, next_pow2(C)))
-        dx_blocks = n * cdiv(C, bc_dx)
+        bt_dx, width_dx, warps_dx, stages_dx = TILES.dx
+        sp = math.gcd(n, TILES.dx_streams)  # streams a program: the tile's width split among
+        bc_dx = min(width_dx // sp, max(cdiv(16, sp), next_pow2(C)))  # them (16 for tl.dot)
+        dx_blocks = n // sp * cdiv(C, bc_dx)
         self.dx_splits, self.dx_per = _splits(dx_blocks, max(T, 1), bt_dx)
         self.dx_grid = (dx_blocks, self.dx_splits)
-        self.dx_meta = Meta(HAS_G=has_g, N=n, M=m, MP=mp, BT=bt_dx, BC=bc_dx,
+        self.dx_meta = Meta(HAS_G=has_g, N=n, M=m, MP=mp, BT=bt_dx, BC=bc_dx, SP=sp,
                             PREC=_dot_precision(dtype, forced), X_BCAST=bcast,
                             LOOP_STAGES=stages_dx, num_warps=warps_dx, num_stages=stages_dx)
         mk = m * self.K
