@@ -470,12 +470,14 @@ def test_broadcast_streams_equal_their_copy(t, n, c, dtype, monkeypatch):
         assert rel_err(b, r) < TOL[dtype], f"{name}: rel err {rel_err(b, r):.2e} to the reference"
 
 
-DX_STREAMS_CASES = [(19, 2, 33), (17, 4, 24), (3, 8, 5), (21, 4, 130), (9, 8, 40)]
+# (t, n, c, streams a program): every n with each of its stream counts once
+DX_STREAMS_CASES = [(19, 2, 33, 2), (17, 4, 24, 2), (21, 4, 130, 4), (3, 8, 5, 8), (9, 8, 40, 4)]
+GPU_DX_STREAMS_CASES = [(4097, 4, 1000, 2), (4097, 4, 1000, 4), (1000, 4, 4096, 4),
+                        (2049, 8, 256, 8)]
 
 
-@pytest.mark.parametrize("t,n,c", DX_STREAMS_CASES + ([(4097, 4, 1000), (1000, 4, 4096),
-                                                        (2049, 8, 256)] if CUDA else []))
-@pytest.mark.parametrize("streams", [2, 4, 8])
+@pytest.mark.parametrize("t,n,c,streams",
+                         DX_STREAMS_CASES + (GPU_DX_STREAMS_CASES if CUDA else []))
 @pytest.mark.parametrize("layout", ["streams", "broadcast"])
 def test_dx_pass_over_several_streams_a_program(monkeypatch, t, n, c, streams, layout):
     """``TILES.dx_streams``: programs of pre's dx pass that cover 2, 4 or 8 streams (at most
