@@ -150,6 +150,22 @@ def _mappings_bwd(part_ptr, SPLITS, dhpre_ptr, dhpost_ptr, dhres_ptr, ht_ptr, rs
 
 
 @triton.jit
+def _per_stream(v, SP: tl.constexpr, BC: tl.constexpr):
+    """``v [BT, SP]`` (a value per token and stream) as ``[BT, SP * BC]``: column ``j`` holds
+    stream ``j // BC``'s."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (v.shape[0], SP, BC)),
+                      (v.shape[0], SP * BC))
+
+
+@triton.jit
+def _per_channel(v, SP: tl.constexpr, BC: tl.constexpr):
+    """``v [BT, BC]`` (a value per token and channel) as ``[BT, SP * BC]``: column ``j``
+    holds channel ``j % BC``'s."""
+    return tl.reshape(tl.broadcast_to(v[:, None, :], (v.shape[0], SP, BC)),
+                      (v.shape[0], SP * BC))
+
+
+@triton.jit
 def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres_ptr, dx_ptr,
                  dphi_ptr, T, C, TOKENS_PER_SPLIT, HAS_G: tl.constexpr, N: tl.constexpr,
                  M: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -167,16 +183,21 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
     (and the N tiles of ``g``) run together and share them through L2. ``SP`` > 1: the tile's
     column ``j`` is stream ``s0 + j // BC``, channel ``c0 + j % BC`` (``SP * BC`` columns), so
     one program reads the dy tile and the N tiles of ``g`` once for its SP streams (dP's rows
-    are read once a program either way, by as many programs a token).
+    are read once a program either way, by as many programs a token); those tiles and the
+    per-stream ``h_pre`` and ``H_res`` are loaded at their own width and widened to the
+    tile's columns in registers (loaded at the tile's width, each would take a pipelined
+    buffer of the tile's size in shared memory).
     The token loop is software-pipelined as a whole (``LOOP_STAGES``): the launch's
     ``num_stages`` would pipeline only the loads that feed a ``tl.dot`` (dP, x), not those of
     dy and of the combine's ``g``."""
     if SP == 1:  # s: the program's stream
         s = tl.program_id(0) % N
         c = (tl.program_id(0) // N) * BC + tl.arange(0, BC)
-    else:  # s, c: each column's stream and channel
+    else:  # s, c: each column's stream and channel; s0: the first stream, cb: the BC channels
         j = tl.arange(0, SP * BC)
-        s = (tl.program_id(0) % (N // SP)) * SP + j // BC
+        s0 = (tl.program_id(0) % (N // SP)) * SP
+        cb = (tl.program_id(0) // (N // SP)) * BC + tl.arange(0, BC)
+        s = s0 + j // BC
         c = (tl.program_id(0) // (N // SP)) * BC + j % BC
     split = tl.program_id(1)
     cmask = c < C
@@ -197,24 +218,33 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
         coef = tl.load(coef_ptr + t, mask=tmask, other=0.0)
         if SP == 1:
             h_s = tl.load(hpre_ptr + t64 * N + s, mask=tmask, other=0.0)[:, None]
-        else:
-            h_s = tl.load(hpre_ptr + t64[:, None] * N + s[None, :], mask=tmask[:, None],
-                          other=0.0)
-        dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + t64[:, None] * C + c[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
+        else:  # [BT, SP] and [BT, BC] loads, widened to the tile's columns in registers
+            h_s = _per_stream(tl.load(hpre_ptr + t64[:, None] * N + s0
+                                      + tl.arange(0, SP)[None, :], mask=tmask[:, None],
+                                      other=0.0), SP, BC)
+            dy = _per_channel(tl.load(dy_ptr + t64[:, None] * C + cb[None, :],
+                                      mask=tmask[:, None] & (cb < C)[None, :],
+                                      other=0.0).to(tl.float32), SP, BC)
         offs = t64[:, None] * K + k[None, :]  # dx: [T, N, C]
         xs = tl.load(x_ptr + t64[:, None] * XT + s * XS + c[None, :], mask=m2,
                      other=0.0).to(tl.float32)
         dxs = tl.dot(dp, ph, input_precision=PREC) + coef[:, None] * xs + h_s * dy
         if HAS_G:  # g's N stream tiles (SP = 1: shared by the N programs of a block, in L2)
             for i in tl.static_range(N):
-                g_i = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2,
-                              other=0.0).to(tl.float32)
                 if SP == 1:
+                    g_i = tl.load(g_ptr + t64[:, None] * K + i * C + c[None, :], mask=m2,
+                                  other=0.0).to(tl.float32)
                     h_is = tl.load(hres_ptr + t64 * (N * N) + i * N + s, mask=tmask,
                                    other=0.0)[:, None]
                 else:
-                    h_is = tl.load(hres_ptr + t64[:, None] * (N * N) + i * N + s[None, :],
-                                   mask=tmask[:, None], other=0.0)
+                    g_i = _per_channel(tl.load(g_ptr + t64[:, None] * K + i * C + cb[None, :],
+                                               mask=tmask[:, None] & (cb < C)[None, :],
+                                               other=0.0).to(tl.float32), SP, BC)
+                    h_is = _per_stream(tl.load(hres_ptr + t64[:, None] * (N * N) + i * N + s0
+                                               + tl.arange(0, SP)[None, :],
+                                               mask=tmask[:, None], other=0.0), SP, BC)
                 dxs += h_is * g_i
         tl.store(dx_ptr + offs, dxs.to(dx_ptr.dtype.element_ty), mask=m2)
         dphi = tl.dot(tl.trans(dp), xs, dphi, input_precision=PREC)
