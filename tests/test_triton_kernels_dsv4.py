@@ -221,6 +221,26 @@ def test_output_head_matches_reference(t, n, c, dtype):
     _check_head(out, out0, case, TOL[dtype])
 
 
+@pytest.mark.parametrize("t,n,c,streams", [(17, 4, 24, 4), (9, 8, 40, 8), (19, 2, 33, 2)]
+                         + ([(4097, 4, 1000, 4)] if CUDA else []))
+def test_output_head_dx_pass_over_several_streams_a_program(monkeypatch, t, n, c, streams):
+    """The head's backward runs pre's dx pass (``M = n`` rows): with ``TILES.dx_streams``
+    programs covering several streams, the same ``dx`` bits as one stream a program, the
+    other gradients to fp32 rounding, and the reference to the usual tolerance."""
+    from mhc_megatron.kernels.triton_common import TILES
+
+    dtype = torch.bfloat16
+    case = _head_case(t, n, c, dtype, seed=t + n)
+    monkeypatch.setattr(TILES, "dx_streams", 1)
+    one = _run_head(triton_mhc.output_head, *case)
+    monkeypatch.setattr(TILES, "dx_streams", streams)
+    several = _run_head(triton_mhc.output_head, *case)
+    assert torch.equal(several[0], one[0]) and torch.equal(several[1], one[1])  # y, dx
+    for name, a, b in zip(HEAD_NAMES[2:], several[2:], one[2:]):
+        assert ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)) < 1e-5, name
+    _check_head(several, _run_head(ref.output_head, *case), case, TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_output_head_streams_layout(dtype):
     """On the streams ``[s, b, n*C]`` (``n`` given): ``y [s, b, C]``, bit for bit the token
