@@ -196,9 +196,10 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
     else:  # s, c: each column's stream and channel; s0: the first stream, cb: the BC channels
         j = tl.arange(0, SP * BC)
         s0 = (tl.program_id(0) % (N // SP)) * SP
-        cb = (tl.program_id(0) // (N // SP)) * BC + tl.arange(0, BC)
+        c0 = (tl.program_id(0) // (N // SP)) * BC
+        cb = c0 + tl.arange(0, BC)
         s = s0 + j // BC
-        c = (tl.program_id(0) // (N // SP)) * BC + j % BC
+        c = c0 + j % BC
     split = tl.program_id(1)
     cmask = c < C
     K = N * C
