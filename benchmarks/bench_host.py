@@ -51,7 +51,7 @@ so wall time is host time:
   ``SavedRanges``) against the same in Python (``MHC_RECOMPUTE_NATIVE_HOOKS=0``), as
   ``--replay-ab``;
 * ``--scope-ab``: ``mhc_recompute``'s saved-tensor hooks on only where mHC outputs are saved
-  (pre, the sublayer's input norm, the combine) against on over each whole sublayer
+  (pre, the module that reads ``y``, the combine) against on over each whole sublayer
   (``MHC_RECOMPUTE_NARROW_HOOKS=0``), as ``--replay-ab``;
 * ``--split``: with the replay on, each op call's host time as a whole, its Python alone (its
   allocations and launches skipped: the call returns the tensors a captured call returned) and
@@ -777,7 +777,7 @@ def hooks_ab_rows(args) -> list[str]:
 
 def scope_ab_rows(args) -> list[str]:
     """``--scope-ab``: ``mhc_recompute``'s saved-tensor hooks on only where mHC outputs are
-    saved (pre, the input norm, the combine) against on over each whole sublayer (only the
+    saved (pre, the module that reads y, the combine) against on over each whole sublayer (only the
     recompute's model step differs)."""
     from mhc_megatron.recompute import manager
 

@@ -266,18 +266,26 @@ def test_hooks_see_only_the_saves_of_mhc_outputs(megatron_single_rank, monkeypat
     assert many["hits"] == few["hits"] == dense["hits"]
 
 
-def _hooks_on_in_bodies(model, top) -> list[bool]:
-    """One model step: whether saved-tensor hooks were on as each attention and MLP module
-    began (``top``: torch's ``_top_saved_tensors_default_hooks``), in call order. None are on
-    after the step."""
-    seen = []
-    handles = [body.register_forward_pre_hook(lambda m, a: seen.append(top(True) is not None))
-               for layer in model.decoder.layers for body in (layer.self_attention, layer.mlp)]
+def _hooks_on_as_they_begin(model, top, modules) -> dict[str, list[bool]]:
+    """One model step: per label of ``modules`` (``(label, module)`` pairs), whether
+    saved-tensor hooks were on as each of its modules began (``top``: torch's
+    ``_top_saved_tensors_default_hooks``), in call order. None are on after the step."""
+    seen = {}
+    handles = [module.register_forward_pre_hook(
+        lambda m, a, label=label: seen.setdefault(label, []).append(top(True) is not None))
+        for label, module in modules]
     lm_loss(model, batch(device=DEV, seed=0)).backward()
     for handle in handles:
         handle.remove()
     assert top(True) is None
     return seen
+
+
+def _hooks_on_in_bodies(model, top) -> list[bool]:
+    """Whether the hooks were on as each attention and MLP module began, in call order."""
+    bodies = [("body", body) for layer in model.decoder.layers
+              for body in (layer.self_attention, layer.mlp)]
+    return _hooks_on_as_they_begin(model, top, bodies).get("body", [])
 
 
 def _spec_of(cfg, family: str) -> tuple:
@@ -313,22 +321,13 @@ def test_hooks_turn_off_after_the_first_linear_without_a_norm_module(megatron_si
         setup_cpu_megatron(seed=1)
         cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2)
         model = build_gpt(cfg, DEV, *_spec_of(cfg, family))
-        seen = {}
-        handles = []
-        for layer in model.decoder.layers:
-            assert type(layer.input_layernorm).__name__ == "IdentityOp"
-            for name, module in (("first", layer.self_attention.linear_qkv),
-                                 ("past", layer.self_attention.linear_proj),
-                                 ("first", layer.mlp.linear_fc1),
-                                 ("past", layer.mlp.linear_fc2)):
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, a, name=name: seen.setdefault(name, []).append(
-                        rc._top_hooks(True) is not None)))
-        lm_loss(model, batch(device=DEV, seed=0)).backward()
-        for handle in handles:
-            handle.remove()
+        assert all(type(layer.input_layernorm).__name__ == "IdentityOp"
+                   for layer in model.decoder.layers)
+        linears = [pair for layer in model.decoder.layers for pair in (
+            ("first", layer.self_attention.linear_qkv), ("past", layer.self_attention.linear_proj),
+            ("first", layer.mlp.linear_fc1), ("past", layer.mlp.linear_fc2))]
+        seen = _hooks_on_as_they_begin(model, rc._top_hooks, linears)
         assert seen == {"first": [True] * 4, "past": [not narrow] * 4}, (narrow, seen)
-        assert rc._top_hooks(True) is None
 
 
 def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):

@@ -197,8 +197,8 @@ _NARROW_HOOKS = os.environ.get("MHC_RECOMPUTE_NARROW_HOOKS", "1") != "0"
 
 
 def set_narrow_hooks(enabled: bool) -> None:
-    """The blocks' saved-tensor hooks only where mHC outputs are saved (pre, the sublayer's
-    input norm, the combine: :class:`SublayerSaving`), or on over each whole sublayer
+    """The blocks' saved-tensor hooks only where mHC outputs are saved (pre, the module that
+    reads ``y``, the combine: :class:`SublayerSaving`), or on over each whole sublayer
     (``MHC_RECOMPUTE_NARROW_HOOKS=0`` at start-up), for sublayers run from now on. Both
     replace the same saved tensors; the whole-sublayer scope calls the pack hook for every
     tensor the sublayer saves."""
