@@ -310,7 +310,8 @@ class KernelTiles:
     aggregate's own, wider kernel. "dx_streams": a program of pre's dx pass covers that many
     streams of ``dx[1] / dx_streams`` channels each, reading the dy tile and the n tiles of
     the combine's ``g`` once for them (1: one stream a program, the n programs of a channel
-    block sharing those through L2)."""
+    block sharing those through L2; 2, the default, halves those reads and the pass's shared
+    memory)."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
         1: (64, 64, 8, 3), 2: (64, 64, 8, 3), 4: (64, 128, 4, 3), 8: (16, 32, 4, 2)})
@@ -324,7 +325,7 @@ class KernelTiles:
     combine_fwd: tuple = (2, 512, 4)        # (tokens, channels, warps)
     combine_bwd: tuple = (8, 128, 4, 2)     # (tokens, channels per step, warps, loop stages)
     dx: tuple = (64, 64, 4, 3)              # dx + dphi: (tokens/step, channels, warps, loop stages)
-    dx_streams: int = 1                     # streams a dx + dphi program covers: its tile's
+    dx_streams: int = 2                     # streams a dx + dphi program covers: its tile's
     #                  channels split among them (a power of 2; n at most)
 
     def __setattr__(self, name, value):
