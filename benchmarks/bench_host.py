@@ -33,7 +33,9 @@ so wall time is host time:
   alternating rounds (host noise only adds time, so the minimum is the steadier estimate),
   the host time until the step returns (all launched, before the sync) and the process CPU
   time over that span (every thread's: the autograd engine's too; a busy neighbour on the
-  host stretches wall time more than CPU time);
+  host stretches wall time more than CPU time); and the null ops' own host time (Python
+  autograd functions and their allocations, 8 sublayers chained through autograd), which
+  "null minus baseline" includes, beside the real ops' in the same chain;
 * ``--grad-fusion``: the dense model's step inside Megatron's DDP, baseline, mHC, and mHC
   with ``gradient_accumulation_fusion`` (the mapping parameters' gradients added to DDP's
   main grads by pre's backward kernel), alternating rounds;
@@ -287,7 +289,7 @@ def _split_rows(args) -> list[str]:
     return lines
 
 
-def sublayers_through_engine(tokens: int, hidden: int, depth: int):
+def sublayers_through_engine(tokens: int, hidden: int, depth: int, ops=None):
     """``depth`` sublayers' ops as a model runs them, in one call: pre and combine forward
     through their autograd functions, each sublayer's streams the next one's input (its
     ``f`` is its own ``y``, so no other op sits between them), then one
@@ -295,9 +297,11 @@ def sublayers_through_engine(tokens: int, hidden: int, depth: int):
     backward functions on its device thread, as in a model's step). ``depth`` 1 pays one
     backward call's own cost (its graph task, the hand-off to that thread and back) per
     sublayer; a model pays it once a step. The leaves' gradients are dropped after each call,
-    so none is accumulated with a kernel."""
+    so none is accumulated with a kernel. ``ops``: an object with the ops' ``pre`` and
+    ``combine`` (the Triton ops by default; :func:`null_ops` for ``--breakdown``)."""
     from mhc_megatron.kernels import triton_mhc
 
+    ops = triton_mhc if ops is None else ops
     dev, bf16 = DEVICE, torch.bfloat16
     m = 2 * N + N * N
     x0 = torch.randn(tokens, N * hidden, device=dev, dtype=bf16, requires_grad=True)
@@ -310,8 +314,8 @@ def sublayers_through_engine(tokens: int, hidden: int, depth: int):
     def run():
         x = x0
         for phi, alpha, bias in params:
-            y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, ITERS, EPS, n=N)
-            x = triton_mhc.combine(x, y, None, h_res, h_post, n=N)
+            y, h_pre, h_post, h_res = ops.pre(x, phi, alpha, bias, ITERS, EPS, n=N)
+            x = ops.combine(x, y, None, h_res, h_post, n=N)
         torch.autograd.backward(x, dout)
         for leaf in leaves:
             leaf.grad = None
@@ -592,12 +596,20 @@ def breakdown_rows(args) -> list[str]:
     lines, lo = _alternating_table(steps, args.rounds, sub, "dense, 4 layers, local specs")
     wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
     kern = (lo["mHC"] - lo["mHC, null ops"]) / sub * 1e3
+    # the null ops are Python autograd functions with allocations: their own host time is
+    # part of "null minus baseline", measured here alone (8 sublayers chained, as in a step)
+    null_alone, ops_alone = (host_us(sublayers_through_engine(args.tokens, args.hidden,
+                                                              ENGINE_DEPTH, chained), args.iters)
+                             / ENGINE_DEPTH for chained in (ops, None))
     with counting_launch_paths() as paths:
         for _ in range(10):
             steps["mHC"]()
     _sync()
     lines += ["", f"per sublayer (minimum): layer code around the ops {wrap:.0f} us, the ops "
               f"{kern:.0f} us",
+              "", f"per sublayer, {ENGINE_DEPTH} sublayers chained through autograd alone: the "
+              f"null ops {null_alone:.0f} us, the ops {ops_alone:.0f} us; the layer code "
+              f"around the ops less the null ops' own time: {wrap - null_alone:.0f} us",
               "", "the ops' launches in 10 mHC steps, by path: "
               + ", ".join(f"{k} {v}" for k, v in paths.items())]
     print("\n".join(lines), flush=True)

@@ -188,6 +188,9 @@ def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     # (on CPU the models' backend 'auto' runs the reference ops: no launches to count)
     assert re.search(r"the ops' launches in 10 mHC steps, by path: by signature \d+, "
                      r"per-argument key \d+, Triton's launcher \d+", out.read_text())
+    assert re.search(r"chained through autograd alone: the null ops \d+ us, the ops \d+ us; "
+                     r"the layer code around the ops less the null ops' own time: -?\d+ us",
+                     out.read_text())
     text = prof.read_text()
     assert "extra own us / step" in text and "mhc_megatron" not in text.split("\n")[0]
     assert "layers/hyper_connection.py" in text, text[:2000]
