@@ -310,7 +310,7 @@ class KernelTiles:
     aggregate's own, wider kernel. "dx_streams": a program of pre's dx pass covers that many
     streams of ``dx[1] / dx_streams`` channels each, reading the dy tile and the n tiles of
     the combine's ``g`` once for them (1: one stream a program, the n programs of a channel
-    block sharing those through L2; 2, the default, halves those reads and the pass's shared
+    block sharing those through L2; 2, the default, halves those reads and needs less shared
     memory)."""
 
     proj: dict = field(default_factory=lambda: {  # n: (tokens, K step, warps, stages)
