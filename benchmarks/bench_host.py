@@ -59,6 +59,10 @@ so wall time is host time:
   allocations and launches skipped: the call returns the tensors a captured call returned) and
   its C++ replay alone (the recorded recipe run with the call's tensors), per op and for
   sublayers chained through autograd;
+* ``--recompute-split``: where ``mhc_recompute``'s host time goes: the recompute's dense model
+  step timed around the pieces of its manager (forward: saving scopes, records, placeholders;
+  backward: the placeholders' unpacks and the block replays), per sublayer, beside its
+  paired steps' growth over mHC's without recompute;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -616,6 +620,89 @@ def breakdown_rows(args) -> list[str]:
     return lines
 
 
+def recompute_split_rows(args) -> list[str]:
+    """``--recompute-split``: where ``mhc_recompute``'s host time goes in the dense model's
+    step. The mHC model with and without recompute, their steps interleaved one by one
+    (:func:`paired_steps`); in the recompute's steps the host time spent in each piece of
+    :mod:`mhc_megatron.recompute.manager` (forward: a sublayer's saving scope, the ops'
+    records, the pack hook's placeholders; backward, on autograd's device thread: the
+    placeholders' unpacks, of which the block replays), per sublayer, beside the paired
+    steps' difference."""
+    from mhc_megatron.layers import hyper_connection, transformer_layer
+    from mhc_megatron.recompute import manager as rm
+
+    shape = _dense_shape(args)
+    sub = 2 * shape["layers"]
+    steps = {name: make_step(build(shape, "local", True, recompute, DEVICE)[0], shape, "local",
+                             DEVICE) for name, recompute in (("mHC", False),
+                                                             ("mHC + recompute", True))}
+    spans: dict[str, list] = {}
+    timing = [False]  # on in the recompute's steps only (the mHC model calls some pieces too)
+    pieces = (  # (name, owner, attribute, other owners holding the same function)
+        ("forward: SublayerSaving (hooks pushed)", rm, "sublayer_saving", (transformer_layer,)),
+        ("forward: hooks on / off / close", rm.SublayerSaving, "on", ()),
+        ("", rm.SublayerSaving, "off", ()),
+        ("", rm.SublayerSaving, "close", ()),
+        ("forward: records of pre's aggregate and the combine", rm, "record_as",
+         (hyper_connection,)),
+        ("forward: placeholders made by the pack hook", rm, "_on_hit", ()),
+        ("backward: placeholders unpacked (with the block replays)", rm._Placeholder, "unpack",
+         ()),
+        ("backward: the block replays alone", rm._BlockState, "recompute", ()),
+    )
+    saved = []
+    name = ""
+    for label, owner, attr, others in pieces:
+        name = label or name
+        fn = getattr(owner, attr)
+        cell = spans.setdefault(name, [0.0, 0])
+
+        def timed(*a, _fn=fn, _cell=cell, **k):
+            if not timing[0]:
+                return _fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _cell[0] += time.perf_counter() - t0
+                _cell[1] += 1
+
+        for o in (owner, *others):
+            saved.append((o, attr, getattr(o, attr)))
+            setattr(o, attr, timed)
+    recompute_step = steps["mHC + recompute"]
+
+    def timed_step():
+        timing[0] = True
+        try:
+            recompute_step()
+            _sync()  # (the backward's replays run on autograd's thread until it returns)
+        finally:
+            timing[0] = False
+
+    steps["mHC + recompute"] = timed_step
+    try:
+        for step in steps.values():  # compiles, records, allocates the grads
+            for _ in range(WARMUP):
+                step()
+        for cell in spans.values():
+            cell[:] = [0.0, 0]
+        count = 10 * args.rounds
+        with gc_paused():
+            times = paired_steps(steps, count)
+    finally:
+        for o, attr, fn in reversed(saved):
+            setattr(o, attr, fn)
+    lines = [f"| recompute's host time, dense model, local specs ({count} steps) | us a "
+             "sublayer | calls a sublayer |", "|---|---|---|"]
+    for name, (total, calls) in spans.items():
+        lines.append(f"| {name} | {1e6 * total / count / sub:.1f} | {calls / count / sub:.1f} |")
+    lines.append(f"| mHC + recompute's step over mHC's (median of step pairs, interquartile "
+                 f"range) | {paired_growth(times['mHC + recompute'], times['mHC'], sub)} | |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 @contextlib.contextmanager
 def counting_launch_paths():
     """Counts the ops' launches by the path they take while the context is open: ``{"by
@@ -915,6 +1002,8 @@ OPTIONAL_SECTIONS = (
      "the whole sublayer (alternating rounds)", scope_ab_rows),
     ("split", "Each op call's host time: its Python and its C++ replay (alternating rounds)",
      split_rows),
+    ("recompute_split", "Where mhc_recompute's host time goes (the recompute's steps, timed "
+     "around its pieces)", recompute_split_rows),
     ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
      "(alternating rounds)", grad_fusion_rows),
 )
@@ -939,6 +1028,7 @@ def main(argv=None):
     p.add_argument("--hooks-ab", action="store_true")
     p.add_argument("--scope-ab", action="store_true")
     p.add_argument("--split", action="store_true")
+    p.add_argument("--recompute-split", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state

@@ -209,6 +209,29 @@ def test_bench_host_grad_fusion_on_the_interpreter(tmp_path):
     assert "the fusion saves" in out.read_text()
 
 
+def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
+    """``--recompute-split`` times the recompute's pieces inside its model steps: two records
+    and at least two hook switches a sublayer (pre's and the combine's), and the block
+    replays' time within the unpacks' that run them. (On the CPU the models run the reference
+    ops, whose saved tensors are their own fp32 copies, not the recorded outputs: no
+    placeholders, so nothing to unpack or replay.)"""
+    out = tmp_path / "host.md"
+    run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
+                      "2", "--no-models", "--recompute-split", "--rounds", "1", "--out",
+                      str(out), env={"TRITON_INTERPRET": "1"})
+    rows = {r[1].strip(): r for r in (line.split("|") for line in out.read_text().splitlines()
+                                      if line.startswith("| forward") or
+                                      line.startswith("| backward"))}
+    assert len(rows) == 6, rows
+    assert float(rows["forward: records of pre's aggregate and the combine"][3]) == 2.0, rows
+    assert float(rows["forward: SublayerSaving (hooks pushed)"][3]) == 1.0, rows
+    assert float(rows["forward: hooks on / off / close"][3]) >= 2.0, rows
+    unpacks = rows["backward: placeholders unpacked (with the block replays)"]
+    replays = rows["backward: the block replays alone"]
+    assert float(replays[2]) <= float(unpacks[2]), (replays, unpacks)
+    assert "mHC + recompute's step over mHC's" in out.read_text()
+
+
 def test_pretrain_report_reproduces_the_committed_table(tmp_path):
     """``pretrain_report.py`` on the committed 2-GPU pretraining logs writes the committed
     ``summary.md`` (the table benchmarks/RESULTS.md cites) and the loss curves."""
