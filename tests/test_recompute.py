@@ -412,11 +412,14 @@ def test_native_ranges_look_up_as_python():
     output and views of it (offset, strided, reshaped), another dtype on its storage, a tensor
     elsewhere, a CPU tensor, a tensor subclass, an output freed and its address reused, a
     registration over a freed range; lookups, pack (the tensor itself, or ``on_hit``'s
-    result), unpack, and the ranges held."""
+    result), unpack, and the ranges held; a recorded op's arguments packed (views of outputs
+    as views, other tensors, parameters and subclasses detached, other values as they are)
+    and its outputs registered where they own their storage."""
     skip_without_host_replay()
     import weakref
 
     from mhc_megatron.kernels import host_replay
+    from mhc_megatron.kernels.reference import PAPER
     from mhc_megatron.recompute import manager as rc
 
     ext = host_replay.extension()
@@ -456,11 +459,32 @@ def test_native_ranges_look_up_as_python():
         after_free = (reused.data_ptr() == a_address, ranges.lookup(reused))
         entries_freed = sorted(ranges.entries())
         ranges.add(reused, 5, 1)
-        return (looked, packed, after_free, entries_freed, sorted(ranges.entries()),
-                ranges.lookup(reused))
+        entries = sorted(ranges.entries())
+        # a recorded op's arguments: outputs' views as views, other tensors detached
+        grad = torch.ones(8, device="cuda", requires_grad=True) * 2  # (has a grad_fn)
+        param = torch.nn.Parameter(torch.ones(3, device="cuda"))
+        sub = torch.ones(5, device="cuda").as_subclass(Sub)
+        args = (reused, reused[8:].view(-1, 8), b.t(), grad, param, sub, 3, None, PAPER)
+        packed_args, deps = ranges.record_args(args, rc._OutputView)
+        described = [tuple(p) if isinstance(p, rc._OutputView) else
+                     (type(p).__name__, p.data_ptr() == a.data_ptr(), tuple(p.shape),
+                      p.requires_grad, p.grad_fn, p is a) if isinstance(p, torch.Tensor) else p
+                     for p, a in zip(packed_args, args)]
+        # a recorded op's outputs: those that own their storage are registered
+        c = torch.empty(32, device="cuda")
+        d = torch.empty(4, 8, device="cuda")
+        ranges.add_outputs((c, d.t(), d[1:], 4, None), 7)
+        e = torch.empty(6, device="cuda", dtype=torch.float16)
+        ranges.add_outputs(e, 8)
+        ranges.add_outputs(torch.empty(16, device="cuda")[4:], 9)
+        registered = [ranges.lookup(t) for t in (c, d, e)]
+        return (looked, packed, after_free, entries_freed, entries, ranges.lookup(reused),
+                (type(packed_args).__name__, described, list(deps)), registered)
 
-    for result in (run(rc._AddressRanges), run(ext.SavedRanges)):
-        looked, packed, (same_address, freed_lookup), entries_freed, entries, reused = result
+    results = [run(rc._AddressRanges), run(ext.SavedRanges)]
+    for result in results:
+        (looked, packed, (same_address, freed_lookup), entries_freed, entries, reused,
+         recorded, registered) = result
         assert looked == [(0, 0)] * 4 + [None] + [(3, 2)] * 3 + [None, None, (0, 0), None]
         assert packed == [("placeholder", 0, 0)] * 4 + [True] + [("placeholder", 3, 2)] * 3 \
             + [True, True, ("placeholder", 0, 0), True]
@@ -470,6 +494,17 @@ def test_native_ranges_look_up_as_python():
         assert entries == ([] if same_address else [(0, 0, True)]) + [(3, 2, False),
                                                                        (5, 1, False)]
         assert reused == (5, 1)
+        kind, described, deps = recorded
+        assert kind == "tuple" and deps == [5, 5, 3], recorded
+        assert described[0] == (5, 1, (4096,), (1,), 0)
+        assert described[1] == (5, 1, (511, 8), (8, 1), 8)
+        assert described[2] == (3, 2, (16, 64), (1, 16), 0)
+        assert [d[0] for d in described[3:6]] == ["Tensor", "Tensor", "Sub"]
+        assert all(d[1] and d[3:] == (False, None, False) for d in described[3:6]), described
+        assert described[6:] == [3, None, PAPER]
+        assert registered == [(7, 0), None, (8, 0)], registered
+    # the same packed arguments and registrations from both
+    assert results[0][6:] == results[1][6:]
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 

@@ -75,7 +75,12 @@ class _OutputView(NamedTuple):
     offset: int
 
     def resolve(self, outputs: dict) -> torch.Tensor:
-        return outputs[self.op][self.index].as_strided(self.size, self.stride, self.offset)
+        """The view of the recomputed output; the output itself where the view is all of
+        it."""
+        out = outputs[self.op][self.index]
+        if self.offset == 0 and out.shape == self.size and out.stride() == self.stride:
+            return out
+        return out.as_strided(self.size, self.stride, self.offset)
 
 
 class _Placeholder:
@@ -102,8 +107,10 @@ class _Placeholder:
 class _AddressRanges:
     """The storages of a block's recorded op outputs by address range, in Python (where the
     host replay extension is not built; else its ``SavedRanges``, the same decisions in C++):
-    ``add`` registers an output, ``lookup`` finds the output a tensor is (a view of), ``pack``
-    is the block's saved-tensor pack hook, ``entries`` lists ``(op, index, expired)``.
+    ``add`` registers an output (``add_outputs``: those of a recorded op that own their
+    storage), ``lookup`` finds the output a tensor is (a view of), ``record_args`` packs a
+    recorded op's arguments, ``pack`` is the block's saved-tensor pack hook, ``entries`` lists
+    ``(op, index, expired)``.
 
     The address ranges are sorted by start: a saved tensor whose data pointer falls in none of
     them (most of a sublayer's, e.g. an MoE layer's hundreds) is rejected with one bisect,
@@ -153,6 +160,34 @@ class _AddressRanges:
         if not same or key.expired() or t.dtype != dtype:
             return None
         return op, index
+
+    def record_args(self, args: tuple, view_type) -> tuple[tuple, list[int]]:
+        """A recorded op's arguments as its block keeps them: ``(packed, deps)``, each tensor
+        that is (a view of) a registered output as ``view_type(op, index, size, stride,
+        offset)`` and every other tensor detached (the replay runs without grad, and the block
+        holds no reference into the autograd graph), other values as they are; ``deps`` the
+        ops of those outputs."""
+        packed, deps = [], []
+        for a in args:
+            found = self.lookup(a) if isinstance(a, torch.Tensor) else None
+            if found is not None:
+                deps.append(found[0])
+                packed.append(view_type(*found, tuple(a.shape), tuple(a.stride()),
+                                        a.storage_offset()))
+            else:
+                packed.append(a.detach() if isinstance(a, torch.Tensor) else a)
+        return tuple(packed), deps
+
+    def add_outputs(self, outputs, op: int) -> None:
+        """Register the outputs of op ``op`` (a tensor, or a tuple of them and other values)
+        that own their whole storage: a placeholder is rebuilt as a view of the recomputed
+        tensor with the saved tensor's size, stride and offset."""
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        for index, out in enumerate(outs):
+            if (isinstance(out, torch.Tensor) and out.storage_offset() == 0
+                    and out.is_contiguous()
+                    and out.untyped_storage().nbytes() == out.numel() * out.element_size()):
+                self.add(out, op, index)
 
     def pack(self, t: torch.Tensor):
         found = self.lookup(t)
@@ -240,34 +275,16 @@ class _BlockState:
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
 
     # -- forward
-    def _lookup(self, t: torch.Tensor) -> _OutputView | None:
-        found = self.ranges.lookup(t)
-        if found is None:
-            return None
-        return _OutputView(*found, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-
     def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
+        """Record op ``fn(*args, **kwargs)``, which returned ``outputs``: its arguments as
+        the ranges pack them (outputs of earlier ops as views of them, other tensors
+        detached), and its outputs registered, so that tensors saved from them are
+        recomputed."""
         op = len(self.ops)
-        deps: set[int] = set()
-        packed = []
-        for a in args:
-            view = self._lookup(a) if isinstance(a, torch.Tensor) else None
-            if view is not None:
-                deps.add(view.op)
-                packed.append(view)
-            else:  # detached: the recompute runs without grad, and no reference to the graph
-                packed.append(a.detach() if isinstance(a, torch.Tensor) else a)
-        self.ops.append((fn, tuple(packed), kwargs))
-        self.deps.append(deps)
-        outs = outputs if isinstance(outputs, tuple) else (outputs,)
-        for index, out in enumerate(outs):
-            # Only tensors that own their whole storage: a placeholder is rebuilt as a view
-            # of the recomputed tensor with the saved tensor's size/stride/offset.
-            if (not isinstance(out, torch.Tensor) or out.storage_offset() != 0
-                    or not out.is_contiguous()):
-                continue
-            if out.untyped_storage().nbytes() == out.numel() * out.element_size():
-                self.ranges.add(out, op, index)
+        packed, deps = self.ranges.record_args(args, _OutputView)
+        self.ops.append((fn, packed, kwargs))
+        self.deps.append(set(deps))
+        self.ranges.add_outputs(outputs, op)
 
     # -- backward
     def recompute(self) -> dict:

@@ -81,6 +81,56 @@ class SavedRanges {
     return &r;
   }
 
+  // A recorded op's arguments as its block keeps them (manager.py's _BlockState.record):
+  // `(packed, deps)`, `packed` the tuple of `args` with each tensor that is (a view of) a
+  // registered output replaced by `view_type(op, index, size, stride, offset)` and every
+  // other tensor by its detached alias (the replay runs without grad, and the block holds no
+  // reference into the autograd graph), other values as they are; `deps` the ops of those
+  // outputs, in argument order. A plain tensor is detached here; a tensor of any other type
+  // (a Parameter, a subclass) by its own Python `detach`, as the Python ranges do.
+  py::tuple record_args(const py::tuple& args, const py::handle& view_type) {
+    const size_t count = args.size();
+    py::tuple packed(count);
+    py::list deps;
+    for (size_t i = 0; i < count; ++i) {
+      py::handle a = args[i];
+      if (!THPVariable_Check(a.ptr())) {
+        packed[i] = py::reinterpret_borrow<py::object>(a);
+        continue;
+      }
+      const at::Tensor& t = THPVariable_Unpack(a.ptr());
+      const Range* r = find(t);
+      if (r != nullptr) {
+        packed[i] = view_type(r->op, r->index, py::tuple(py::cast(t.sizes().vec())),
+                              py::tuple(py::cast(t.strides().vec())), t.storage_offset());
+        deps.append(r->op);
+      } else if (Py_TYPE(a.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+        packed[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
+      } else {
+        packed[i] = a.attr("detach")();
+      }
+    }
+    return py::make_tuple(std::move(packed), std::move(deps));
+  }
+
+  // Register the outputs of recorded op `op` (a tensor, or a tuple of them and other values):
+  // output `index` where it is a tensor that owns its whole storage (offset 0, contiguous, as
+  // many bytes as its elements; a placeholder is rebuilt as a view of the recomputed tensor).
+  // Tensor subclasses with a Python dispatch key and tensors without storage are never found
+  // (find), so they are not registered.
+  void add_outputs(const py::handle& outputs, int64_t op) {
+    if (THPVariable_Check(outputs.ptr())) {
+      add_whole(THPVariable_Unpack(outputs.ptr()), op, 0);
+    } else if (PyTuple_Check(outputs.ptr())) {
+      const py::tuple outs = py::reinterpret_borrow<py::tuple>(outputs);
+      for (size_t i = 0; i < outs.size(); ++i) {
+        if (THPVariable_Check(outs[i].ptr())) {
+          add_whole(THPVariable_Unpack(outs[i].ptr()), op, static_cast<int64_t>(i));
+        }
+      }
+    }
+  }
+
   py::object lookup(const at::Tensor& t) {
     const Range* r = find(t);
     return r == nullptr ? py::none() : py::object(py::make_tuple(r->op, r->index));
@@ -104,6 +154,15 @@ class SavedRanges {
   int64_t full_lookups() const { return full_lookups_; }
 
  private:
+  void add_whole(const at::Tensor& t, int64_t op, int64_t index) {
+    if (!t.defined() || !t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
+        t.storage_offset() != 0 || !t.is_contiguous() ||
+        t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size()) {
+      return;
+    }
+    add(t, op, index);
+  }
+
   std::vector<Range> ranges_;  // sorted by start, disjoint
   py::object block_ref_;
   py::object on_hit_;
@@ -122,6 +181,9 @@ void bind_saved_ranges(py::module& m) {
   py::class_<SavedRanges>(m, "SavedRanges")
       .def(py::init<py::object, py::object>(), py::arg("block_ref"), py::arg("on_hit"))
       .def("add", &SavedRanges::add, py::arg("out"), py::arg("op"), py::arg("index"))
+      .def("record_args", &SavedRanges::record_args,
+           "(packed args, deps) of a recorded op's arguments")
+      .def("add_outputs", &SavedRanges::add_outputs, "register a recorded op's outputs")
       .def("lookup", &SavedRanges::lookup, "(op, index) of the output t is a view of, or None")
       .def("pack", &SavedRanges::pack, "the saved-tensor pack hook")
       .def("entries", &SavedRanges::entries)
