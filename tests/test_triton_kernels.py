@@ -562,6 +562,41 @@ def test_dx_pass_drops_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch)
         p.dx_meta = old_meta
 
 
+def test_param_grads_drop_loop_stages_that_do_not_fit_in_shared_memory(monkeypatch):
+    """The parameter-gradient sums pipeline their loads 8 stages deep; where shared memory
+    cannot hold them, the launch retries with one stage fewer and keeps that in the plan,
+    for its plain launch and for the gradient-accumulation fusion's alike."""
+    from triton.runtime.errors import OutOfResources
+
+    from mhc_megatron.kernels import triton_pre_bwd
+    from mhc_megatron.kernels.triton_common import plan
+
+    p = plan(triton_pre_bwd._PreBackwardPlan, 64, 8, 32, torch.float32, None, True, True, False)
+    old_meta = p.grads_meta
+    tried = []
+
+    class _Launcher:  # stands in for the kernel's Launcher
+        def signed(self, plan, sig, grid, meta, *args):
+            tried.append((meta.kwargs["LOOP_STAGES"], meta.kwargs["ACCUMULATE"]))
+            if meta.kwargs["LOOP_STAGES"] > fits:
+                raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_pre_bwd, "_PARAM_GRADS", _Launcher())
+    try:
+        fits = 6
+        triton_pre_bwd._launch_param_grads(p, None, None, "args")
+        assert tried == [(8, False), (7, False), (6, False)], tried
+        triton_pre_bwd._launch_param_grads(p, None, torch.bfloat16, "args")
+        assert tried[3:] == [(6, True)], tried  # the fusion's meta follows the plan's stages
+        assert p.accumulate_meta(torch.bfloat16).kwargs["GRAD_ROUND"] == 1
+        fits = 0
+        with pytest.raises(OutOfResources):
+            triton_pre_bwd._launch_param_grads(p, None, None, "args")
+    finally:
+        p.grads_meta = old_meta
+        p._accumulate_metas.clear()
+
+
 def test_ops_without_autograd_skip_the_autograd_functions(monkeypatch):
     """Under no_grad (inference, evaluation), or where no input requires grad, pre and combine
     run their kernels without an autograd function around them, with the same bits as

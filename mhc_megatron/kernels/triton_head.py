@@ -39,9 +39,9 @@ from mhc_megatron.kernels.triton_common import (
 )
 from mhc_megatron.kernels.triton_pre_bwd import (
     _DHPRE,
-    _PARAM_GRADS,
     _BackwardShapes,
     _launch_dx_dphi,
+    _launch_param_grads,
 )
 from mhc_megatron.kernels.triton_pre_fwd import _PROJ, _launch_aggregate
 
@@ -196,8 +196,8 @@ class _HeadFn(torch.autograd.Function):
                   red_part, dp, coef, T, p.K)
         _launch_dx_dphi(p, None, x, dy, w, dp, coef, phi, x, w,  # (g, h_res unread: HAS_G off)
                         dx, dphi_part, T, C, p.dx_per)
-        _PARAM_GRADS(p.grads_grid, p.grads_meta, dphi_part, red_part, dphi, dbias, dalpha,
-                     p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
+        _launch_param_grads(p, None, None, dphi_part, red_part, dphi, dbias, dalpha,
+                            p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
         return dx, dphi, dalpha, dbias, None, None, None
 
 

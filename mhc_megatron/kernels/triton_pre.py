@@ -43,9 +43,9 @@ from mhc_megatron.kernels.triton_common import (
 from mhc_megatron.kernels.triton_pre_bwd import (
     _DHPRE,
     _MAPS_BWD,
-    _PARAM_GRADS,
     GRAD_ROUND_CODES,
     _launch_dx_dphi,
+    _launch_param_grads,
     _PreBackwardPlan,
 )
 from mhc_megatron.kernels.triton_pre_fwd import (
@@ -299,12 +299,12 @@ def _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads, 
     _launch_dx_dphi(p, sig, x, dy, h_pre, dp, coef, phi, g_combine, h_res_combine, dx,
                     dphi_part, T, C, p.dx_per)
     if main_grads is None:
-        grads_meta, grads_out = p.grads_meta, (dphi, dbias, dalpha)
+        grad_dtype, grads_out = None, (dphi, dbias, dalpha)
     else:  # (views into DDP's buffer: some start unaligned, hence grads_sig)
         phi_main, alpha_main, bias_main = main_grads
-        grads_meta, grads_out = p.accumulate_meta(phi.dtype), (phi_main, bias_main, alpha_main)
-    _PARAM_GRADS.signed(p, grads_sig, p.grads_grid, grads_meta, dphi_part, red_part,
-                        *grads_out, p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
+        grad_dtype, grads_out = phi.dtype, (phi_main, bias_main, alpha_main)
+    _launch_param_grads(p, grads_sig, grad_dtype, dphi_part, red_part, *grads_out,
+                        p.dx_splits, p.mp * p.K, p.m * p.K, p.map_programs)
     return (dx, dphi, dalpha, dbias), ()
 
 

@@ -16,8 +16,9 @@ partials into ``dphi``, ``dbias``, ``dalpha`` in the parameters' dtypes).
 Host side: the launch shapes of a (T, n, C, dtype, form) (:class:`_PreBackwardPlan`, computed
 once by :func:`~mhc_megatron.kernels.triton_common.plan`; the shapes it shares with the head's
 in :class:`_BackwardShapes`), a
-:class:`~mhc_megatron.kernels.launch.Launcher` per kernel, and :func:`_launch_dx_dphi` (the dx
-pass at as many loop stages as fit in shared memory).
+:class:`~mhc_megatron.kernels.launch.Launcher` per kernel, and :func:`_launch_dx_dphi` and
+:func:`_launch_param_grads` (the dx pass and the parameter-gradient sums at as many loop stages
+as fit in shared memory).
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ def _pre_dx_dphi(x_ptr, dy_ptr, hpre_ptr, dp_ptr, coef_ptr, phi_ptr, g_ptr, hres
 def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS, SPLIT_STRIDE,
                  MK, ROWS, M: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr,
                  ROWS_STEP: tl.constexpr, NALPHA: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 GRAD_ROUND: tl.constexpr):
+                 GRAD_ROUND: tl.constexpr, LOOP_STAGES: tl.constexpr):
     """The parameter gradients from their partials, summed in a fixed order.
 
     Programs ``0 .. P-2``: ``dphi.flat[i] = sum_s dphi_part[s].flat[i]`` for ``i < M*K``
@@ -276,7 +277,9 @@ def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS
         j = tl.arange(0, MP)
         r = tl.arange(0, ROWS_STEP)
         red2 = tl.zeros([ROWS_STEP, MP], dtype=tl.float32)
-        for r0 in range(0, ROWS, ROWS_STEP):  # ROWS_STEP rows a load, not one row a latency
+        # ROWS_STEP rows a load, not one row a latency; the loads pipelined LOOP_STAGES deep
+        # (the sums in row order)
+        for r0 in tl.range(0, ROWS, ROWS_STEP, num_stages=LOOP_STAGES):
             red2 += tl.load(red_ptr + (r0 + r)[:, None] * MP + j[None, :],
                             mask=(r0 + r < ROWS)[:, None], other=0.0)
         red = tl.sum(red2, axis=0)
@@ -288,7 +291,9 @@ def _param_grads(dphi_part_ptr, red_ptr, dphi_ptr, dbias_ptr, dalpha_ptr, SPLITS
         mask = i < MK
         dphi = tl.zeros([BLOCK], dtype=tl.float32)
         src = dphi_part_ptr + i
-        for _ in range(SPLITS):  # pointer steps: no int32 product of the split and its stride
+        # pointer steps (no int32 product of the split and its stride); the loads pipelined
+        # LOOP_STAGES deep, the sums still in split order
+        for _ in tl.range(SPLITS, num_stages=LOOP_STAGES):
             dphi += tl.load(src, mask=mask, other=0.0)
             src += SPLIT_STRIDE
         _store_grad(dphi_ptr + i, dphi, mask, ACCUMULATE, GRAD_ROUND)
@@ -321,6 +326,10 @@ def _store_grad(ptr, g, mask, ACCUMULATE: tl.constexpr, GRAD_ROUND: tl.constexpr
 _DHPRE, _MAPS_BWD = Launcher(_dhpre_partial), Launcher(_mappings_bwd)
 _DX_DPHI, _PARAM_GRADS = Launcher(_pre_dx_dphi), Launcher(_param_grads)
 _PARAM_GRADS_BLOCK = 1024
+# _param_grads' loads in flight: its last program sums the mappings' per-block rows alone, one
+# load after another, the kernel's critical path at long sequences (one row block a program of
+# 16 tokens)
+_PARAM_GRADS_STAGES = 8
 logger = logging.getLogger(__name__)
 
 
@@ -353,7 +362,8 @@ class _BackwardShapes(LaunchPlan):
         self.grads_grid = (cdiv(mk, _PARAM_GRADS_BLOCK) + 1,)
         self.grads_meta = Meta(M=m, MP=mp, BLOCK=_PARAM_GRADS_BLOCK,
                                ROWS_STEP=max(1, min(32, next_pow2(map_programs))),
-                               NALPHA=nalpha, ACCUMULATE=False, GRAD_ROUND=0, num_warps=4)
+                               NALPHA=nalpha, ACCUMULATE=False, GRAD_ROUND=0,
+                               LOOP_STAGES=_PARAM_GRADS_STAGES, num_warps=4)
         self._accumulate_metas: dict = {}
 
     def accumulate_meta(self, grad_dtype: torch.dtype) -> Meta:
@@ -405,19 +415,46 @@ class _PreBackwardPlan(_BackwardShapes):
 
 
 def _launch_dx_dphi(p: _BackwardShapes, sig: tuple | None, *args) -> None:
-    """``_pre_dx_dphi`` at its plan's loop stages, one stage fewer (kept in the plan) each time
-    the GPU's shared memory cannot hold them: with the combine's ``g`` a stage buffers n
-    stream tiles of it, too many for 3 stages at n=8 in fp32 on an H100."""
+    """``_pre_dx_dphi`` at its plan's loop stages, fewer where they do not fit
+    (:func:`_with_fewer_stages`): with the combine's ``g`` a stage buffers n stream tiles of
+    it, too many for 3 stages at n=8 in fp32 on an H100."""
+
+    def fewer(stages: int) -> None:
+        p.dx_meta = Meta(**{**p.dx_meta.kwargs, "LOOP_STAGES": stages, "num_stages": stages})
+
+    _with_fewer_stages("dx pass", lambda: _DX_DPHI.signed(p, sig, p.dx_grid, p.dx_meta, *args),
+                       lambda: p.dx_meta.kwargs["LOOP_STAGES"], fewer)
+
+
+def _launch_param_grads(p: _BackwardShapes, sig: tuple | None, grad_dtype: torch.dtype | None,
+                        *args) -> None:
+    """``_param_grads`` at its plan's loop stages (``grads_meta``, or with ``grad_dtype`` the
+    gradient-accumulation fusion's :meth:`~_BackwardShapes.accumulate_meta`), fewer where
+    they do not fit (:func:`_with_fewer_stages`)."""
+
+    def launch() -> None:
+        meta = p.grads_meta if grad_dtype is None else p.accumulate_meta(grad_dtype)
+        _PARAM_GRADS.signed(p, sig, p.grads_grid, meta, *args)
+
+    def fewer(stages: int) -> None:
+        p.grads_meta = Meta(**{**p.grads_meta.kwargs, "LOOP_STAGES": stages})
+        p._accumulate_metas.clear()
+
+    _with_fewer_stages("parameter gradients", launch, lambda: p.grads_meta.kwargs["LOOP_STAGES"],
+                       fewer)
+
+
+def _with_fewer_stages(what: str, launch, stages, fewer) -> None:
+    """``launch()``; each time the GPU's shared memory cannot hold the kernel's pipelined
+    loop stages (``stages()``), ``fewer(stages() - 1)`` (kept in the launch plan) and again."""
     while True:
         try:
-            _DX_DPHI.signed(p, sig, p.dx_grid, p.dx_meta, *args)
+            launch()
             return
         except OutOfResources:
-            stages = p.dx_meta.kwargs["LOOP_STAGES"]
-            if stages <= 1:
+            have = stages()
+            if have <= 1:
                 raise
-            p.dx_meta = Meta(**{**p.dx_meta.kwargs, "LOOP_STAGES": stages - 1,
-                                "num_stages": stages - 1})
-            log_rank0(logger, logging.INFO, "mHC dx pass: %d loop stages do not fit in shared "
-                      "memory here; %d", stages, stages - 1)
-
+            fewer(have - 1)
+            log_rank0(logger, logging.INFO, "mHC %s: %d loop stages do not fit in shared "
+                      "memory here; %d", what, have, have - 1)
