@@ -2,7 +2,7 @@
 
     python benchmarks/bench_study_step.py [--recompute] [--profile] [--spans] [--module-spans]
                                           [--python-hooks] [--whole-sublayer-hooks]
-                                          [--rounds 4] [--steps 10]
+                                          [--phases] [--null-ops] [--rounds 4] [--steps 10]
 
 The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32
 --attention sdpa`` (85M GPT, 12 x 768, seq 512, batch 32; the study's mHC variant
@@ -23,8 +23,11 @@ interval between two loss reads, its host time the part of it until its work is 
 optimiser) and of the calls inside the forward (a layer, mHC's pre and combine, Megatron's
 attention and MLP bodies, the combine inside them), median per call, from timers wrapped
 around those methods for this process (Megatron's classes included: a measurement, not the
-library's path). ``--python-hooks`` (with ``--recompute``): also mHC + recompute with
-``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)`` during its
+library's path). ``--phases``: a table of each phase's host time and, on a GPU, its GPU
+time from CUDA events recorded between the phases (which phases the host paces and which the
+GPU). ``--null-ops``: also mHC with null ops (``bench_host.null_ops``: its layer code, ops
+that allocate and launch nothing). ``--python-hooks`` (with ``--recompute``): also mHC +
+recompute with ``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)`` during its
 steps), to compare with the C++ hooks in the same process. ``--whole-sublayer-hooks`` (with
 ``--recompute``): also mHC + recompute with the hooks on over each whole sublayer
 (``set_narrow_hooks(False)``), not only where mHC outputs are saved.
@@ -62,10 +65,14 @@ HOOK_VARIANTS = {", Python hooks": ("native_hooks", "set_native_hooks"),
                  ", hooks over the sublayer": ("narrow_hooks", "set_narrow_hooks")}
 
 
-def make_step(model, args, data, name: str = "", phases: list | None = None):
+def make_step(model, args, data, name: str = "", phases: list | None = None,
+              gpu_spans: list | None = None):
     """The study loop's step for ``model`` (without the loss check and evaluations).
     ``phases``: each step's host seconds of forward, backward and optimiser appended, and the
-    forward's calls timed under ``name`` (:class:`Spans`). A run named with a suffix of
+    forward's calls timed under ``name`` (:class:`Spans`). ``gpu_spans`` (CUDA): CUDA events
+    recorded between the phases; after the step's loss is read, ``step.read_gpu_spans()``
+    appends the GPU ms of each phase (from the GPU reaching the phase's start to its work
+    done: kernels and the GPU's idle waits for the host alike). A run named with a suffix of
     ``HOOK_VARIANTS`` runs its steps with that switch of the recompute's hooks off."""
     from mhc_megatron.recompute import manager
 
@@ -75,27 +82,39 @@ def make_step(model, args, data, name: str = "", phases: list | None = None):
     opt = demo.MasterWeightAdamW(demo.param_groups(model, 0.1, True), clip=1.0, lr=1e-4,
                                  betas=(0.9, 0.95))
     batches = demo.make_batches(data, args, args.seed)
+    events = ([torch.cuda.Event(enable_timing=True) for _ in range(4)]
+              if gpu_spans is not None else None)
+    mark = (lambda i: events[i].record()) if events else (lambda i: None)
 
     def step():
         if switch:
             was = get()
             put(False)
         t0 = time.perf_counter()
+        mark(0)
         ids, labels = batches.next()
         Spans.run = name if phases is not None else None
         loss = model(ids, batches.position_ids, batches.mask, labels=labels).float().mean()
         Spans.run = None
         t1 = time.perf_counter()
+        mark(1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         t2 = time.perf_counter()
+        mark(2)
         opt.step()
+        mark(3)
         if phases is not None:
             phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         if switch:
             put(was)
         return loss
 
+    def read_gpu_spans():
+        if events:
+            gpu_spans.append(tuple(events[i].elapsed_time(events[i + 1]) for i in range(3)))
+
+    step.read_gpu_spans = read_gpu_spans
     return step
 
 
@@ -231,6 +250,45 @@ class GCStats:
         return f"{per_gen}; {cls.ms.get(run, 0.0) / steps:.2f}"
 
 
+NULL_OPS_RUN = "mHC, null ops"
+
+
+def with_null_ops(model) -> None:
+    """``model``'s hyper-connections run null ops (``bench_host.null_ops``: autograd functions
+    that allocate the ops' outputs and gradients and launch nothing): the run's time is mHC's
+    layer code without the ops' kernels and host replays."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_host import null_ops
+
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+    ops = null_ops()
+    for module in model.modules():
+        if isinstance(module, HyperConnectionModule):
+            module._ops = lambda streams, ops=ops: ops  # this model's modules only
+
+
+def phase_rows(names: list, phases: dict, gpu_spans: dict) -> list[str]:
+    """``--phases``: per run, each phase's host time and GPU time (medians; the GPU's from the
+    CUDA events between the phases, "-" without a GPU). A phase whose GPU time is about its
+    host time is paced by the host (the GPU waits for its launches); one whose GPU time is
+    longer is paced by the GPU (the host runs ahead), and its extra GPU time shows in the
+    next phase or in the loss read."""
+    lines = ["", "Each phase's host time and GPU time (median ms; the GPU's measured by CUDA "
+             "events between the phases, from the GPU reaching a phase to its work done)", "",
+             "| run | forward, host / GPU | backward, host / GPU | optimiser, host / GPU |",
+             "|---|---|---|---|"]
+    for name in names:
+        cells = []
+        for i in range(3):
+            host = statistics.median(p[i] for p in phases[name]) * 1e3
+            gpu = (f"{statistics.median(g[i] for g in gpu_spans[name]):.2f}"
+                   if gpu_spans[name] else "-")
+            cells.append(f"{host:.2f} / {gpu}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def synced_steps(step, count: int, host: list) -> list[float]:
     """``count`` steps, each loss read right after its step (the example's loop): the steps'
     times in ms; their host times (until the step's work is issued) appended to ``host``."""
@@ -242,6 +300,7 @@ def synced_steps(step, count: int, host: list) -> list[float]:
         loss.item()
         times.append(1e3 * (time.perf_counter() - t0))
         host.append(1e3 * (t1 - t0))
+        step.read_gpu_spans()
     return times
 
 
@@ -308,6 +367,10 @@ def main(argv=None):
                    help="also mHC + recompute with the recompute's hooks in Python")
     p.add_argument("--whole-sublayer-hooks", action="store_true",
                    help="also mHC + recompute with the hooks on over each whole sublayer")
+    p.add_argument("--phases", action="store_true",
+                   help="also each phase's host time and, on a GPU, its GPU time (CUDA events)")
+    p.add_argument("--null-ops", action="store_true",
+                   help="also mHC with null ops (its layer code; ops that launch nothing)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=8)
@@ -316,6 +379,8 @@ def main(argv=None):
     if (args.python_hooks or args.whole_sublayer_hooks) and not args.recompute:
         p.error("--python-hooks / --whole-sublayer-hooks compare the recompute's hooks: add "
                 "--recompute")
+    if args.phases and args.overlap:
+        p.error("--phases reads each step's CUDA events after its loss: drop --overlap")
     run_args = demo.parse_args(STUDY_FLAGS + rest)
     demo.setup_megatron(run_args.device, run_args.seed)
     data = np.random.default_rng(0).integers(0, 256, size=4_000_000).astype(np.uint8)
@@ -326,22 +391,29 @@ def main(argv=None):
         variants["mHC + recompute, Python hooks"] = variants["mHC + recompute"]
     if args.whole_sublayer_hooks:
         variants["mHC + recompute, hooks over the sublayer"] = variants["mHC + recompute"]
+    if args.null_ops:
+        variants[NULL_OPS_RUN] = MHC_VARIANT
     if args.spans:
         Spans.install()
     if args.module_spans:
         ModuleSpans.install()
     phases = {name: [] for name in variants}
-    timers = args.spans or args.module_spans
-    steps = {name: make_step(demo.build_model(over is not None, run_args, over), run_args, data,
-                             name, phases[name] if timers else None)
-             for name, over in variants.items()}
     cuda = run_args.device == "cuda"
+    gpu_spans = {name: [] for name in variants}
+    timers = args.spans or args.module_spans or args.phases
+    models = {name: demo.build_model(over is not None, run_args, over)
+              for name, over in variants.items()}
+    if args.null_ops:
+        with_null_ops(models[NULL_OPS_RUN])
+    steps = {name: make_step(model, run_args, data, name, phases[name] if timers else None,
+                             gpu_spans[name] if args.phases and cuda else None)
+             for name, model in models.items()}
     for step in steps.values():
         for _ in range(args.warmup):
             step().item()
     Spans.times.clear()
     ModuleSpans.times.clear()
-    for runs in phases.values():
+    for runs in (*phases.values(), *gpu_spans.values()):
         runs.clear()
     wall = {name: [] for name in steps}
     host = {name: [] for name in steps}
@@ -380,6 +452,8 @@ def main(argv=None):
                      f"{GCStats.cell(name, len(wall[name]))} |")
     if args.spans:
         lines += Spans.rows(list(steps), phases)
+    if args.phases:
+        lines += phase_rows(list(steps), phases, gpu_spans)
     if args.module_spans:
         lines += ModuleSpans.rows(list(steps), {name: len(p) for name, p in phases.items()})
     print("\n".join(lines), flush=True)

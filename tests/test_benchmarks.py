@@ -161,6 +161,31 @@ def test_bench_study_step_spans_on_cpu(tmp_path):
     assert hc[1] == "-" and all(c != "-" for c in hc[2:]), hc
 
 
+def test_bench_study_step_phases_and_null_ops_on_cpu(tmp_path):
+    """``--phases --null-ops``: the runs' table with mHC with null ops, and the phases' table,
+    each phase's host ms (its GPU ms "-" on the CPU), a row per run (the plumbing only);
+    ``--phases`` refuses ``--overlap``."""
+    out = tmp_path / "study.md"
+    run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
+                      "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                      "--phases", "--null-ops", "--out", str(out))
+    text = out.read_text()
+    runs, phases = text.split("Each phase's host time and GPU time")
+    assert [r[1].strip() for r in (line.split("|") for line in runs.splitlines())
+            if r[1:] and r[1].strip() in ("baseline", "mHC", "mHC, null ops")] == \
+        ["baseline", "mHC", "mHC, null ops"], runs
+    rows = [line.split("|") for line in phases.splitlines()
+            if line.startswith("| baseline") or line.startswith("| mHC")]
+    assert [r[1].strip() for r in rows] == ["baseline", "mHC", "mHC, null ops"], rows
+    for row in rows:
+        for cell in row[2:5]:
+            host, gpu = cell.strip().split(" / ")
+            assert float(host) > 0 and gpu == "-", row
+    proc = subprocess.run([sys.executable, "benchmarks/bench_study_step.py", "--phases",
+                           "--overlap"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--overlap" in proc.stderr
+
+
 def test_bench_study_step_overlapped_loop_on_cpu(tmp_path):
     """``--overlap``: the same table, the losses read a step later (the plumbing only)."""
     out = tmp_path / "study.md"
