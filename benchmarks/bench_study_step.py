@@ -27,8 +27,8 @@ library's path). ``--phases``: a table of each phase's host time and, on a GPU, 
 time from CUDA events recorded between the phases (which phases the host paces and which the
 GPU). ``--null-ops``: also mHC with null ops (``bench_host.null_ops``: its layer code, ops
 that allocate and launch nothing). ``--python-hooks`` (with ``--recompute``): also mHC +
-recompute with ``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)`` during its
-steps), to compare with the C++ hooks in the same process. ``--whole-sublayer-hooks`` (with
+recompute with ``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)``
+during its steps), to compare with the C++ hooks in the same process. ``--whole-sublayer-hooks`` (with
 ``--recompute``): also mHC + recompute with the hooks on over each whole sublayer
 (``set_narrow_hooks(False)``), not only where mHC outputs are saved.
 Every run's timed steps count Python's garbage collections (a step's collections of each
