@@ -582,20 +582,27 @@ def null_ops():
     return MHCOps("null", pre, combine, aggregate, output_head=None)
 
 
+def with_null_ops(model):
+    """``model``'s hyper-connections run :func:`null_ops` (this model's modules only): its
+    time is mHC's layer code without the ops' kernels and host replays. Returns the ops."""
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+    ops = null_ops()
+    for module in model.modules():
+        if isinstance(module, HyperConnectionModule):
+            module._ops = lambda streams, ops=ops: ops
+    return ops
+
+
 def breakdown_rows(args) -> list[str]:
     """``--breakdown``: baseline, mHC and mHC with null ops, the dense model, alternating
     rounds; per run the minimum and the median step time, and per sublayer the layer code's
     and the ops' share of mHC's extra time."""
-    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
-
     shape = _dense_shape(args)
     sub = 2 * shape["layers"]
     models = {name: build(shape, "local", mhc, False, DEVICE)[0]
               for name, mhc in (("baseline", False), ("mHC", True), ("mHC, null ops", True))}
-    ops = null_ops()
-    for module in models["mHC, null ops"].modules():
-        if isinstance(module, HyperConnectionModule):
-            module._ops = lambda streams, ops=ops: ops  # this model's modules only
+    ops = with_null_ops(models["mHC, null ops"])
     steps = {name: make_step(m, shape, "local", DEVICE) for name, m in models.items()}
     lines, lo = _alternating_table(steps, args.rounds, sub, "dense, 4 layers, local specs")
     wrap = (lo["mHC, null ops"] - lo["baseline"]) / sub * 1e3
@@ -638,7 +645,8 @@ def recompute_split_rows(args) -> list[str]:
                                                              ("mHC + recompute", True))}
     spans: dict[str, list] = {}
     timing = [False]  # on in the recompute's steps only (the mHC model calls some pieces too)
-    pieces = (  # (name, owner, attribute, other owners holding the same function)
+    pieces = (  # (name, owner, attribute, other owners holding the same function); an
+        #         empty name: timed in the row of the name above it
         ("forward: SublayerSaving (hooks pushed)", rm, "sublayer_saving", (transformer_layer,)),
         ("forward: hooks on / off / close", rm.SublayerSaving, "on", ()),
         ("", rm.SublayerSaving, "off", ()),
@@ -672,11 +680,10 @@ def recompute_split_rows(args) -> list[str]:
             setattr(o, attr, timed)
     recompute_step = steps["mHC + recompute"]
 
-    def timed_step():
+    def timed_step():  # (backward returns once autograd's thread has run the replays)
         timing[0] = True
         try:
             recompute_step()
-            _sync()  # (the backward's replays run on autograd's thread until it returns)
         finally:
             timing[0] = False
 

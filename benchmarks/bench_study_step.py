@@ -253,21 +253,6 @@ class GCStats:
 NULL_OPS_RUN = "mHC, null ops"
 
 
-def with_null_ops(model) -> None:
-    """``model``'s hyper-connections run null ops (``bench_host.null_ops``: autograd functions
-    that allocate the ops' outputs and gradients and launch nothing): the run's time is mHC's
-    layer code without the ops' kernels and host replays."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_host import null_ops
-
-    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
-
-    ops = null_ops()
-    for module in model.modules():
-        if isinstance(module, HyperConnectionModule):
-            module._ops = lambda streams, ops=ops: ops  # this model's modules only
-
-
 def phase_rows(names: list, phases: dict, gpu_spans: dict) -> list[str]:
     """``--phases``: per run, each phase's host time and GPU time (medians; the GPU's from the
     CUDA events between the phases, "-" without a GPU). A phase whose GPU time is about its
@@ -403,7 +388,11 @@ def main(argv=None):
     timers = args.spans or args.module_spans or args.phases
     models = {name: demo.build_model(over is not None, run_args, over)
               for name, over in variants.items()}
-    if args.null_ops:
+    if args.null_ops:  # (bench_host's null ops: autograd functions that allocate the ops'
+        #              outputs and gradients and launch nothing)
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from bench_host import with_null_ops
+
         with_null_ops(models[NULL_OPS_RUN])
     steps = {name: make_step(model, run_args, data, name, phases[name] if timers else None,
                              gpu_spans[name] if args.phases and cuda else None)
