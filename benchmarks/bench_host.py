@@ -63,13 +63,18 @@ so wall time is host time:
   step timed around the pieces of its manager (forward: saving scopes, records, placeholders;
   backward: the placeholders' unpacks and the block replays), per sublayer, beside its
   paired steps' growth over mHC's without recompute;
+* ``--recompute-phases``: ``mhc_recompute``'s host time in the forward and in the backward
+  apart, over mHC's without recompute, and with its parts switched off in turn (the blocks'
+  saved-tensor hooks: no placeholders, no replays; then the records too: the block scopes
+  alone), the steps interleaved one by one;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
 * ``--profile-models OUT``: where a model step's extra host time goes: the dense model's
   baseline and mHC steps under cProfile (Python functions and the torch calls they make, per
   step: mHC minus baseline, by own time and by cumulative time in mhc_megatron's files) and
-  under torch's profiler (aten ops and CUDA launches a step, mHC minus baseline).
+  under torch's profiler (aten ops and CUDA launches a step, mHC minus baseline);
+  ``--profile-recompute``: the same for mHC + ``mhc_recompute``'s steps against mHC's.
 """
 
 from __future__ import annotations
@@ -455,15 +460,19 @@ def _func_name(key) -> str:
     return f"{short}:{line}({func})"
 
 
-def profile_models(args, out_path: str, steps: int) -> None:
+def profile_models(args, out_path: str, steps: int, recompute: bool = False) -> None:
     """The dense model's baseline and mHC steps under cProfile and torch's profiler; writes
-    the per-step differences (mHC minus baseline) to ``out_path``."""
+    the per-step differences (mHC minus baseline) to ``out_path``. With ``recompute``
+    (``--profile-recompute``): mHC's steps and mHC + ``mhc_recompute``'s, the differences
+    the recompute's over mHC's."""
     from torch.profiler import ProfilerActivity, profile
 
     shape = _dense_shape(args)
     sub = 2 * shape["layers"]
-    runs = {name: make_step(build(shape, "local", mhc, False, DEVICE)[0], shape, "local", DEVICE)
-            for name, mhc in (("baseline", False), ("mHC", True))}
+    pair = ((("mHC", True, False), ("mHC + recompute", True, True)) if recompute
+            else (("baseline", False, False), ("mHC", True, False)))
+    runs = {name: make_step(build(shape, "local", mhc, rec, DEVICE)[0], shape, "local", DEVICE)
+            for name, mhc, rec in pair}
     stats, ops, device_us = {}, {}, {}
     for name, step in runs.items():
         for _ in range(WARMUP):
@@ -488,7 +497,8 @@ def profile_models(args, out_path: str, steps: int) -> None:
         averages = tprof.key_averages()
         ops[name] = {e.key: (e.count, e.self_cpu_time_total) for e in averages}
         device_us[name] = sum(getattr(e, "self_device_time_total", 0) for e in averages) / steps
-    base, mhc = stats["baseline"], stats["mHC"]
+    base_name, run_name = (name for name, _, _ in pair)
+    base, mhc = stats[base_name], stats[run_name]
     per = 1e6 / steps
     rows = []
     for key in set(base) | set(mhc):
@@ -497,13 +507,13 @@ def profile_models(args, out_path: str, steps: int) -> None:
     total_b = sum(v[2] for v in base.values()) * per
     total_m = sum(v[2] for v in mhc.values()) * per
     lines = [f"cProfile, {steps} steps each (times inflated by the profiler), dense model, "
-             f"{sub} sublayers: own time a step baseline {total_b:.0f} us, mHC {total_m:.0f} "
-             f"us, +{(total_m - total_b) / sub:.0f} us a sublayer", "",
+             f"{sub} sublayers: own time a step {base_name} {total_b:.0f} us, {run_name} "
+             f"{total_m:.0f} us, +{(total_m - total_b) / sub:.0f} us a sublayer", "",
              "| function | extra calls / step | extra own us / step | extra cumulative us / step |",
              "|---|---|---|---|"]
     for tt, calls, ct, key in sorted(rows, key=lambda r: -r[0])[:45]:
         lines.append(f"| {_func_name(key)} | {calls:+.0f} | {tt:+.1f} | {ct:+.1f} |")
-    lines += ["", "mHC's own functions (mhc_megatron), cumulative us a step:", "",
+    lines += ["", f"{run_name}'s own functions (mhc_megatron), cumulative us a step:", "",
               "| function | calls / step | own us / step | cumulative us / step |",
               "|---|---|---|---|"]
     ours = [(v[3] * per, v[1] / steps, v[2] * per, k) for k, v in mhc.items()
@@ -514,11 +524,12 @@ def profile_models(args, out_path: str, steps: int) -> None:
         lines += ["", "GPU kernel time a step (torch profiler): " + ", ".join(
             f"{name} {us:.0f} us" for name, us in device_us.items()) + " (a step takes longer "
             "than this where the host is the bound)"]
-    lines += ["", "torch profiler: ops a step, mHC minus baseline (self CPU us a step)", "",
+    lines += ["", f"torch profiler: ops a step, {run_name} minus {base_name} (self CPU us a "
+              "step)", "",
               "| op | extra calls / step | extra self CPU us / step |", "|---|---|---|"]
-    keys = set(ops["baseline"]) | set(ops["mHC"])
-    diff = [((ops["mHC"].get(k, (0, 0))[0] - ops["baseline"].get(k, (0, 0))[0]) / steps,
-             (ops["mHC"].get(k, (0, 0))[1] - ops["baseline"].get(k, (0, 0))[1]) / steps, k)
+    keys = set(ops[base_name]) | set(ops[run_name])
+    diff = [((ops[run_name].get(k, (0, 0))[0] - ops[base_name].get(k, (0, 0))[0]) / steps,
+             (ops[run_name].get(k, (0, 0))[1] - ops[base_name].get(k, (0, 0))[1]) / steps, k)
             for k in keys]
     for calls, us, k in sorted(diff, key=lambda r: -abs(r[1]))[:40]:
         lines.append(f"| {k} | {calls:+.1f} | {us:+.1f} |")
@@ -706,6 +717,82 @@ def recompute_split_rows(args) -> list[str]:
         lines.append(f"| {name} | {1e6 * total / count / sub:.1f} | {calls / count / sub:.1f} |")
     lines.append(f"| mHC + recompute's step over mHC's (median of step pairs, interquartile "
                  f"range) | {paired_growth(times['mHC + recompute'], times['mHC'], sub)} | |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def recompute_phases_rows(args) -> list[str]:
+    """``--recompute-phases``: ``mhc_recompute``'s host time in the dense model's forward and
+    backward apart, and what its parts add: the recompute's steps, the same model with the
+    blocks' saved-tensor hooks off (its ops still recorded, nothing recomputed: no
+    placeholders, no replays) and with the records off too (the layers' block scopes and the
+    hooks' switch on the input norm alone), each against mHC's steps without recompute,
+    interleaved one by one. Each phase is timed between device syncs; per sublayer, the
+    median of the paired differences."""
+    from mhc_megatron.layers import hyper_connection, transformer_layer
+
+    shape = _dense_shape(args)
+    sub = 2 * shape["layers"]
+    models = {name: build(shape, "local", True, recompute, DEVICE)[0]
+              for name, recompute in (("mHC", False), ("recompute", True))}
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    ids = torch.randint(0, shape["vocab"], (shape["mbs"], shape["seq"]), device=DEVICE,
+                        generator=g)
+    pos = torch.arange(shape["seq"], device=DEVICE).expand(shape["mbs"], shape["seq"])
+    saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
+                                       hyper_connection.record_as, hyper_connection.run_recorded)
+    mode = ["all"]  # "all", "no hooks" or "no hooks, no records"
+
+    def no_records(fn, *a, **k):
+        return fn(*a, **k)
+
+    transformer_layer.sublayer_saving = lambda: None if mode[0] != "all" else saving()
+    hyper_connection.record_as = lambda *a, **k: (None if mode[0] == "no hooks, no records"
+                                                  else record_as(*a, **k))
+    hyper_connection.run_recorded = lambda *a, **k: (
+        no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
+    runs = {"mHC": ("mHC", "all"), "mHC + recompute": ("recompute", "all"),
+            "recompute, hooks off (ops recorded)": ("recompute", "no hooks"),
+            "recompute, hooks and records off (block scopes)": ("recompute",
+                                                                "no hooks, no records")}
+    times = {name: [] for name in runs}
+
+    def step(name, out=None):
+        model, mode[0] = models[runs[name][0]], runs[name][1]
+        _sync()
+        t0 = time.perf_counter()
+        loss = model(ids, pos, None, labels=ids).float().mean()
+        _sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync()
+        if out is not None:
+            out.append((t1 - t0, time.perf_counter() - t1))
+
+    try:
+        for name in runs:
+            for _ in range(WARMUP):
+                step(name)
+        with gc_paused():
+            for _ in range(10 * args.rounds):
+                for name in runs:
+                    step(name, times[name])
+    finally:
+        transformer_layer.sublayer_saving = saving
+        hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
+    base = times["mHC"]
+    lines = [f"mHC's step (medians): forward {1e3 * statistics.median(t[0] for t in base):.2f} "
+             f"ms, backward {1e3 * statistics.median(t[1] for t in base):.2f} ms "
+             f"({len(base)} steps)", "",
+             "| over mHC's step, us a sublayer (median of step pairs) | forward | backward | "
+             "step |", "|---|---|---|---|"]
+    for name, got in times.items():
+        if name == "mHC":
+            continue
+        diffs = [[1e6 * (r[i] - b[i]) / sub for r, b in zip(got, base)] for i in (0, 1)]
+        steps = [f + b for f, b in zip(*diffs)]
+        lines.append(f"| {name} | {statistics.median(diffs[0]):.1f} | "
+                     f"{statistics.median(diffs[1]):.1f} | {statistics.median(steps):.1f} |")
     print("\n".join(lines), flush=True)
     return lines
 
@@ -1011,6 +1098,8 @@ OPTIONAL_SECTIONS = (
      split_rows),
     ("recompute_split", "Where mhc_recompute's host time goes (the recompute's steps, timed "
      "around its pieces)", recompute_split_rows),
+    ("recompute_phases", "mhc_recompute's host time in forward and backward, and its parts "
+     "(alternating steps)", recompute_phases_rows),
     ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
      "(alternating rounds)", grad_fusion_rows),
 )
@@ -1025,6 +1114,7 @@ def main(argv=None):
     p.add_argument("--no-models", action="store_true")
     p.add_argument("--profile-out", default=None)
     p.add_argument("--profile-models", default=None, metavar="OUT")
+    p.add_argument("--profile-recompute", action="store_true")
     p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--launch-ab", action="store_true")
@@ -1036,6 +1126,7 @@ def main(argv=None):
     p.add_argument("--scope-ab", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--recompute-split", action="store_true")
+    p.add_argument("--recompute-phases", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state
@@ -1087,7 +1178,7 @@ def main(argv=None):
         with open(args.profile_out, "w") as fh:
             fh.write(s.getvalue())
     if args.profile_models:
-        profile_models(args, args.profile_models, args.profile_steps)
+        profile_models(args, args.profile_models, args.profile_steps, args.profile_recompute)
     for flag, title, rows in OPTIONAL_SECTIONS:
         if getattr(args, flag):
             lines += ["", title, ""] + rows(args)

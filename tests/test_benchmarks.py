@@ -239,11 +239,22 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     and at least two hook switches a sublayer (pre's and the combine's), and the block
     replays' time within the unpacks' that run them. (On the CPU the models run the reference
     ops, whose saved tensors are their own fp32 copies, not the recorded outputs: no
-    placeholders, so nothing to unpack or replay.)"""
-    out = tmp_path / "host.md"
+    placeholders, so nothing to unpack or replay.) ``--recompute-phases`` times the
+    recompute's forward and backward apart against mHC's, whole and with its hooks, then its
+    records, switched off; ``--profile-recompute`` profiles its steps against mHC's."""
+    out, prof = tmp_path / "host.md", tmp_path / "prof.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
-                      "2", "--no-models", "--recompute-split", "--rounds", "1", "--out",
-                      str(out), env={"TRITON_INTERPRET": "1"})
+                      "2", "--no-models", "--recompute-split", "--recompute-phases", "--rounds",
+                      "1", "--profile-models", str(prof), "--profile-recompute",
+                      "--profile-steps", "2", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    phases = [r.split("|") for r in out.read_text().splitlines()
+              if r.startswith("| mHC + recompute |") or r.startswith("| recompute, hooks")]
+    assert [r[1].strip() for r in phases] == [
+        "mHC + recompute", "recompute, hooks off (ops recorded)",
+        "recompute, hooks and records off (block scopes)"], phases
+    assert all(len(r) == 6 and all(float(c) == float(c) for c in r[2:5]) for r in phases)
+    profile = prof.read_text()
+    assert "own time a step mHC " in profile and ", mHC + recompute " in profile, profile[:300]
     rows = {r[1].strip(): r for r in (line.split("|") for line in out.read_text().splitlines()
                                       if line.startswith("| forward") or
                                       line.startswith("| backward"))}

@@ -508,13 +508,14 @@ def test_native_ranges_look_up_as_python():
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 
-def _step_blocks(monkeypatch, kind: str, family: str = "local") -> tuple:
+def _step_blocks(monkeypatch, kind: str, family: str = "local", **overrides) -> tuple:
     """One model step's ``(loss, grads, model)`` and per block ``(block id, ops whose outputs
     became placeholders, outputs still held after forward, the ranges' type)``, with the
-    hooks as the caller set them; ``family``: the layer specs (:func:`_spec_of`)."""
+    hooks as the caller set them; ``family``: the layer specs (:func:`_spec_of`);
+    ``overrides``: of the config."""
     from mhc_megatron.recompute import manager as rc
 
-    extra = moe_overrides() if kind == "moe" else {}
+    extra = {**(moe_overrides() if kind == "moe" else {}), **overrides}
     states = []
     init = rc._BlockState.__init__
 
@@ -549,6 +550,88 @@ def test_native_hooks_decide_as_python(megatron_single_rank, monkeypatch, kind):
     native, native_blocks = _step_blocks(monkeypatch, kind)
     assert {b[3] for b in python_blocks} == {"_AddressRanges"}
     assert {b[3] for b in native_blocks} == {"SavedRanges"}
+    assert [b[:3] for b in native_blocks] == [b[:3] for b in python_blocks]
+    _assert_same(python, native)
+
+
+def _native_nodes(kind: str) -> dict:
+    """Config overrides for the ops' C++ nodes: the Triton backend; the dense model with
+    sublayer biases, so that the combine saves ``f_bias`` too (Megatron's MoE experts refuse
+    the bias: their in-place bias add on a view)."""
+    return {"mhc_kernel_backend": "triton", "add_bias_linear": kind == "dense"}
+
+
+def _pack_calls_and_skips(monkeypatch, kind: str) -> tuple:
+    """One model step (:func:`_step_blocks`) with the hooks as the caller set them:
+    ``(result, blocks, pack hook calls, skips)``, ``skips`` the tensors the ops' C++ nodes may
+    save past the block's hooks: per node made while the block's pack hook is on top of
+    autograd's hook stack, its saved tensors that are defined and no output registered in the
+    block (pre: x, phi, alpha, bias and its own ht, rstd, h_pre; the combine: x, f, f_bias,
+    h_res, h_post)."""
+    from mhc_megatron.kernels import triton_combine, triton_pre
+    from mhc_megatron.recompute import manager as rc
+
+    counts = {"packs": 0, "skips": 0}
+    states = []
+    init, py_pack = rc._BlockState.__init__, rc._AddressRanges.pack
+    pre_native, combine_native = triton_pre._pre_native, triton_combine._combine_native
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        states.append(self)
+
+    def counting_pack(self, t):
+        counts["packs"] += 1
+        return py_pack(self, t)
+
+    def skips(saved, own: int) -> int:
+        state = rc._ACTIVE_BLOCK.get()
+        top = rc._top_hooks(True)
+        if state is None or top is None or top[0] is not state.pack_hook:
+            return 0
+        return own + sum(t is not None and state.ranges.lookup(t) is None for t in saved)
+
+    def counted_pre(x, phi, alpha, bias, *args):
+        out = pre_native(x, phi, alpha, bias, *args)
+        if out is not None:
+            counts["skips"] += skips((x, phi, alpha, bias), 3)
+        return out
+
+    def counted_combine(x, f, f_bias, h_res, h_post, *args):
+        out = combine_native(x, f, f_bias, h_res, h_post, *args)
+        if out is not None:
+            counts["skips"] += skips((x, f, f_bias, h_res, h_post), 0)
+        return out
+
+    monkeypatch.setattr(rc._BlockState, "__init__", spy)
+    monkeypatch.setattr(rc._AddressRanges, "pack", counting_pack)
+    monkeypatch.setattr(triton_pre, "_pre_native", counted_pre)
+    monkeypatch.setattr(triton_combine, "_combine_native", counted_combine)
+    result, blocks = _step_blocks(monkeypatch, kind, **_native_nodes(kind))
+    monkeypatch.setattr(rc._BlockState, "__init__", init)
+    monkeypatch.setattr(rc._AddressRanges, "pack", py_pack)
+    monkeypatch.setattr(triton_pre, "_pre_native", pre_native)
+    monkeypatch.setattr(triton_combine, "_combine_native", combine_native)
+    if blocks[0][3] == "SavedRanges":
+        counts["packs"] = sum(st.ranges.packs for st in states)
+    return result, blocks, counts["packs"], counts["skips"]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_native_nodes_save_past_the_block_hooks(megatron_single_rank, monkeypatch, kind):
+    """The ops' C++ nodes save a tensor that is no block output without the block's pack hook
+    (it would keep the tensor as it is): the C++ hooks are called exactly that many times
+    fewer than the Python hooks, which see every save, and still make the same placeholders
+    (the streams the nodes save are block outputs), with the same loss and gradients."""
+    skip_without_host_replay()
+    _step_blocks(monkeypatch, kind, **_native_nodes(kind))  # the forward recipes recorded
+    _use_hooks(monkeypatch, "python")
+    python, python_blocks, python_packs, python_skips = _pack_calls_and_skips(monkeypatch, kind)
+    _use_hooks(monkeypatch, "native")
+    native, native_blocks, native_packs, native_skips = _pack_calls_and_skips(monkeypatch, kind)
+    assert native_skips == python_skips > 0
+    assert python_packs - native_packs == native_skips, (python_packs, native_packs,
+                                                          native_skips)
     assert [b[:3] for b in native_blocks] == [b[:3] for b in python_blocks]
     _assert_same(python, native)
 

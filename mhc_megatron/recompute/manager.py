@@ -34,7 +34,12 @@ selective recompute, whose checkpoint saves ``y`` after the norm returns) the
 hooks stay on over the whole sublayer. Where the host replay extension is built the hooks
 are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded output), else
 the same lookup in Python (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or
-:func:`set_native_hooks` chooses it). It therefore does not use Megatron's
+:func:`set_native_hooks` chooses it). With the C++ hooks on top of autograd's hook stack, the
+ops' C++ autograd nodes save each tensor that is no registered output (pre's parameters and
+mappings, the combine's ``f`` and mappings) past the hooks, as autograd saves without hooks
+(the pack hook would keep it as it is; torch's ``SavedTensorDefaultHooks::set_tracing``, the
+switch Dynamo uses, hides the hooks for that one save): no Python call for it when saving
+nor when unpacking. It therefore does not use Megatron's
 ``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8 context is entered,
 op arguments may be any Python values, and outputs that need no gradient are fine (a
 tensor nobody saves is never recomputed).
@@ -380,24 +385,38 @@ class MHCRecomputeManager:
         cur.last_layer = layer_number
         return cur
 
-    @contextlib.contextmanager
-    def layer_scope(self, layer_number: int, chunk_offset: int = 0):
-        """Run one layer's forward in its block (only with grad on): its mHC ops are recorded,
-        and each sublayer turns the block's saved-tensor hooks on where needed
-        (:func:`sublayer_saving`)."""
-        if not torch.is_grad_enabled():
-            yield None
-            return
-        state = self._state_for(layer_number, chunk_offset)
-        token = _ACTIVE_BLOCK.set(state)
-        try:
-            yield state
-        finally:
-            _ACTIVE_BLOCK.reset(token)
+    def layer_scope(self, layer_number: int, chunk_offset: int = 0) -> "_LayerScope":
+        """A context to run one layer's forward in, in its block (only with grad on; it gives
+        the block, or None): its mHC ops are recorded, and each sublayer turns the block's
+        saved-tensor hooks on where needed (:func:`sublayer_saving`)."""
+        return _LayerScope(self, layer_number, chunk_offset)
 
     def reset(self) -> None:
         """Forget the open block (the next layer opens a new one)."""
         self._current = None
+
+
+class _LayerScope:
+    """:meth:`MHCRecomputeManager.layer_scope`: the layer's block active from entry to exit
+    (a class rather than a generator context: entered once per layer of every step)."""
+
+    __slots__ = ("_manager", "_layer", "_offset", "_token")
+
+    def __init__(self, manager: MHCRecomputeManager, layer_number: int, chunk_offset: int):
+        self._manager, self._layer, self._offset = manager, layer_number, chunk_offset
+        self._token = None
+
+    def __enter__(self) -> _BlockState | None:
+        if not torch.is_grad_enabled():
+            return None
+        state = self._manager._state_for(self._layer, self._offset)
+        self._token = _ACTIVE_BLOCK.set(state)
+        return state
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            _ACTIVE_BLOCK.reset(self._token)
+            self._token = None
 
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks

@@ -282,15 +282,17 @@ std::vector<at::Tensor> pre_apply(const std::shared_ptr<OpTable>& table, const a
       replay(table->forward_recipe, {x, phi, alpha, bias}, scratch, stream, table->device);
   auto node = make_node<PreBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, phi, alpha, bias));
-  node->x_ = SavedVariable(x, false);
-  node->phi_ = SavedVariable(phi, false);
-  node->alpha_ = SavedVariable(alpha, false);
-  node->bias_ = SavedVariable(bias, false);
-  node->ht_ = SavedVariable(outs[4], false);
-  node->rstd_ = SavedVariable(outs[5], false);
+  // inside an mhc_recompute block only x can be a block output (the block's hooks see it)
+  const BlockOutputs* block = block_outputs_on_top();
+  node->x_ = save_variable(x, block);
+  node->phi_ = save_variable(phi, block);
+  node->alpha_ = save_variable(alpha, block);
+  node->bias_ = save_variable(bias, block);
+  node->ht_ = save_variable(outs[4], block);
+  node->rstd_ = save_variable(outs[5], block);
   // h_pre's values, not the output itself (an output saved as a plain tensor would hold its
   // own node): an alias of it without autograd history, sharing its version counter
-  node->h_pre_ = SavedVariable(outs[1].detach(), false);
+  node->h_pre_ = save_variable(outs[1].detach(), block);
   node->table_ = table;
   node->link_ = std::move(link);
   for (const at::Tensor& m : main_grads) {
@@ -316,11 +318,12 @@ at::Tensor combine_apply(const std::shared_ptr<OpTable>& table, const at::Tensor
              table->device);
   auto node = make_node<CombineBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, f, bias, h_res, h_post));
-  node->x_ = SavedVariable(x, false);
-  node->f_ = SavedVariable(f, false);
-  node->f_bias_ = SavedVariable(bias, false);
-  node->h_res_ = SavedVariable(h_res, false);
-  node->h_post_ = SavedVariable(h_post, false);
+  const BlockOutputs* block = block_outputs_on_top();  // (see pre_apply)
+  node->x_ = save_variable(x, block);
+  node->f_ = save_variable(f, block);
+  node->f_bias_ = save_variable(bias, block);
+  node->h_res_ = save_variable(h_res, block);
+  node->h_post_ = save_variable(h_post, block);
   node->table_ = table;
   node->link_ = std::move(link);
   node->channels_ = f.size(-1);

@@ -2,6 +2,7 @@
 // (autograd_nodes.cpp).
 #pragma once
 
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -25,5 +26,24 @@ void bind_autograd_nodes(pybind11::module& m);
 
 // Binds the saved-tensor hooks of mhc_recompute's blocks (saved_ranges.cpp).
 void bind_saved_ranges(pybind11::module& m);
+
+// The outputs an mhc_recompute block registered (saved_ranges.cpp's SavedRanges, whose `pack`
+// is the block's saved-tensor pack hook).
+class BlockOutputs {
+ public:
+  virtual ~BlockOutputs() = default;
+  // Whether `t` is (a view of) a registered output, in that output's storage, still alive.
+  virtual bool holds(const at::Tensor& t) const = 0;
+};
+
+// The block whose pack hook is on top of autograd's saved-tensor hooks on this thread, or
+// nullptr (other hooks, none, or a torch that cannot save past them). Needs the GIL.
+const BlockOutputs* block_outputs_on_top();
+
+// `t` saved for a node's backward, as SavedVariable(t, false) saves it; where `block`
+// (block_outputs_on_top) is not null and `t` is no output registered in it, without the hooks:
+// the block's pack hook would keep `t` as it is, so autograd saves it as it does without hooks
+// (no Python call when saving, none when unpacking; and autograd's version check on unpack).
+torch::autograd::SavedVariable save_variable(const at::Tensor& t, const BlockOutputs* block);
 
 }  // namespace mhc
