@@ -241,18 +241,25 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def make_step(model, shape: dict, spec: str, device, graphs: bool = False):
-    """One forward + backward of a fixed micro-batch (no mask with SDPA: it is causal). In
-    DDP the grad buffers are zeroed first; with ``graphs`` the first step records the layers
-    and Megatron's ``create_cudagraphs()`` (as its schedules do) captures them after it."""
-    from megatron.core.transformer.cuda_graphs import create_cudagraphs
-
+def fixed_batch(shape: dict, spec: str, device) -> tuple:
+    """The steps' micro-batch ``(ids, position ids, attention mask)``, the same every call
+    (no mask with SDPA, the local specs' attention: it is causal)."""
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, shape["vocab"], (shape["mbs"], shape["seq"]), device=device,
                         generator=g)
     pos = torch.arange(shape["seq"], device=device).expand(shape["mbs"], shape["seq"])
     mask = None if spec == "local" else torch.triu(
         torch.ones(shape["seq"], shape["seq"], dtype=torch.bool, device=device), 1)[None, None]
+    return ids, pos, mask
+
+
+def make_step(model, shape: dict, spec: str, device, graphs: bool = False):
+    """One forward + backward of a fixed micro-batch (:func:`fixed_batch`). In DDP the grad
+    buffers are zeroed first; with ``graphs`` the first step records the layers and Megatron's
+    ``create_cudagraphs()`` (as its schedules do) captures them after it."""
+    from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+    ids, pos, mask = fixed_batch(shape, spec, device)
 
     def step():
         if hasattr(model, "zero_grad_buffer"):

@@ -94,7 +94,7 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, ".")
-from bench_e2e import RUNS, _sync, build, emit_report, make_step  # noqa: E402
+from bench_e2e import RUNS, _sync, build, emit_report, fixed_batch, make_step  # noqa: E402
 
 from mhc_megatron.kernels.triton_combine import _apply_combine, _CombineFn  # noqa: E402
 from mhc_megatron.kernels.triton_pre import _apply_pre, _PreFn  # noqa: E402
@@ -735,10 +735,7 @@ def recompute_phases_rows(args) -> list[str]:
     sub = 2 * shape["layers"]
     models = {name: build(shape, "local", True, recompute, DEVICE)[0]
               for name, recompute in (("mHC", False), ("recompute", True))}
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    ids = torch.randint(0, shape["vocab"], (shape["mbs"], shape["seq"]), device=DEVICE,
-                        generator=g)
-    pos = torch.arange(shape["seq"], device=DEVICE).expand(shape["mbs"], shape["seq"])
+    ids, pos, mask = fixed_batch(shape, "local", DEVICE)
     saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
                                        hyper_connection.record_as, hyper_connection.run_recorded)
     mode = ["all"]  # "all", "no hooks" or "no hooks, no records"
@@ -761,7 +758,7 @@ def recompute_phases_rows(args) -> list[str]:
         model, mode[0] = models[runs[name][0]], runs[name][1]
         _sync()
         t0 = time.perf_counter()
-        loss = model(ids, pos, None, labels=ids).float().mean()
+        loss = model(ids, pos, mask, labels=ids).float().mean()
         _sync()
         t1 = time.perf_counter()
         loss.backward()

@@ -508,15 +508,16 @@ def test_native_ranges_look_up_as_python():
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 
-def _step_blocks(monkeypatch, kind: str, family: str = "local", **overrides) -> tuple:
+def _step_blocks(monkeypatch, kind: str, family: str = "local", states: list | None = None,
+                 **overrides) -> tuple:
     """One model step's ``(loss, grads, model)`` and per block ``(block id, ops whose outputs
     became placeholders, outputs still held after forward, the ranges' type)``, with the
-    hooks as the caller set them; ``family``: the layer specs (:func:`_spec_of`);
-    ``overrides``: of the config."""
+    hooks as the caller set them; ``family``: the layer specs (:func:`_spec_of`); ``states``:
+    a list the step's blocks are appended to; ``overrides``: of the config."""
     from mhc_megatron.recompute import manager as rc
 
     extra = {**(moe_overrides() if kind == "moe" else {}), **overrides}
-    states = []
+    states = [] if states is None else states
     init = rc._BlockState.__init__
 
     def spy(self, *args, **kwargs):
@@ -572,13 +573,8 @@ def _pack_calls_and_skips(monkeypatch, kind: str) -> tuple:
     from mhc_megatron.recompute import manager as rc
 
     counts = {"packs": 0, "skips": 0}
-    states = []
-    init, py_pack = rc._BlockState.__init__, rc._AddressRanges.pack
+    py_pack = rc._AddressRanges.pack
     pre_native, combine_native = triton_pre._pre_native, triton_combine._combine_native
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        states.append(self)
 
     def counting_pack(self, t):
         counts["packs"] += 1
@@ -603,16 +599,15 @@ def _pack_calls_and_skips(monkeypatch, kind: str) -> tuple:
             counts["skips"] += skips((x, f, f_bias, h_res, h_post), 0)
         return out
 
-    monkeypatch.setattr(rc._BlockState, "__init__", spy)
     monkeypatch.setattr(rc._AddressRanges, "pack", counting_pack)
     monkeypatch.setattr(triton_pre, "_pre_native", counted_pre)
     monkeypatch.setattr(triton_combine, "_combine_native", counted_combine)
-    result, blocks = _step_blocks(monkeypatch, kind, **_native_nodes(kind))
-    monkeypatch.setattr(rc._BlockState, "__init__", init)
+    states = []
+    result, blocks = _step_blocks(monkeypatch, kind, states=states, **_native_nodes(kind))
     monkeypatch.setattr(rc._AddressRanges, "pack", py_pack)
     monkeypatch.setattr(triton_pre, "_pre_native", pre_native)
     monkeypatch.setattr(triton_combine, "_combine_native", combine_native)
-    if blocks[0][3] == "SavedRanges":
+    if blocks[0][3] == "SavedRanges":  # (its calls counted in C++)
         counts["packs"] = sum(st.ranges.packs for st in states)
     return result, blocks, counts["packs"], counts["skips"]
 
