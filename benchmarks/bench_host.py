@@ -642,10 +642,9 @@ def recompute_split_rows(args) -> list[str]:
     """``--recompute-split``: where ``mhc_recompute``'s host time goes in the dense model's
     step. The mHC model with and without recompute, their steps interleaved one by one
     (:func:`paired_steps`); in the recompute's steps the host time spent in each piece of
-    :mod:`mhc_megatron.recompute.manager` (forward: a sublayer's saving scope, the ops'
-    records, the pack hook's placeholders; backward, on autograd's device thread: the
-    placeholders' unpacks, of which the block replays), per sublayer, beside the paired
-    steps' difference."""
+    :mod:`mhc_megatron.recompute.manager` (forward: a sublayer's saving scope, the hooks'
+    switches, the ops' records; backward, on autograd's device thread: the unpack hook's
+    calls, of which the block replays), per sublayer, beside the paired steps' difference."""
     from mhc_megatron.layers import hyper_connection, transformer_layer
     from mhc_megatron.recompute import manager as rm
 
@@ -664,28 +663,37 @@ def recompute_split_rows(args) -> list[str]:
         ("", rm.SublayerSaving, "close", ()),
         ("forward: records of pre's aggregate and the combine", rm, "record_as",
          (hyper_connection,)),
-        ("forward: placeholders made by the pack hook", rm, "_on_hit", ()),
-        ("backward: placeholders unpacked (with the block replays)", rm._Placeholder, "unpack",
-         ()),
+        ("backward: the saved tensors' unpack hook (with the block replays)", None,
+         "unpack hook", ()),
         ("backward: the block replays alone", rm._BlockState, "recompute", ()),
     )
     saved = []
     name = ""
-    for label, owner, attr, others in pieces:
-        name = label or name
-        fn = getattr(owner, attr)
-        cell = spans.setdefault(name, [0.0, 0])
 
-        def timed(*a, _fn=fn, _cell=cell, **k):
+    def timer(fn, cell):
+        def timed(*a, **k):
             if not timing[0]:
-                return _fn(*a, **k)
+                return fn(*a, **k)
             t0 = time.perf_counter()
             try:
-                return _fn(*a, **k)
+                return fn(*a, **k)
             finally:
-                _cell[0] += time.perf_counter() - t0
-                _cell[1] += 1
+                cell[0] += time.perf_counter() - t0
+                cell[1] += 1
+        return timed
 
+    for label, owner, attr, others in pieces:
+        name = label or name
+        cell = spans.setdefault(name, [0.0, 0])
+        if owner is None:  # the blocks' unpack hook (C++ or Python), timed as _hooks hands it out
+            def timed_hooks(_hooks=rm._hooks, _cell=cell):
+                ranges, unpack = _hooks()
+                return ranges, timer(unpack, _cell)
+
+            saved.append((rm, "_hooks", rm._hooks))
+            rm._hooks = timed_hooks
+            continue
+        timed = timer(getattr(owner, attr), cell)
         for o in (owner, *others):
             saved.append((o, attr, getattr(o, attr)))
             setattr(o, attr, timed)
@@ -726,10 +734,12 @@ def recompute_phases_rows(args) -> list[str]:
     backward apart, and what its parts add: the recompute's steps, the same model with the
     blocks' saved-tensor hooks off (its ops still recorded, nothing recomputed: no
     placeholders, no replays) and with the records off too (the layers' block scopes and the
-    hooks' switch on the input norm alone), each against mHC's steps without recompute,
+    hooks' switch on the input norm alone), and the recompute with its blocks replayed in
+    Python (their C++ replay sites off), each against mHC's steps without recompute,
     interleaved one by one. Each phase is timed between device syncs; per sublayer, the
     median of the paired differences."""
     from mhc_megatron.layers import hyper_connection, transformer_layer
+    from mhc_megatron.recompute import manager as rm
 
     shape = _dense_shape(args)
     sub = 2 * shape["layers"]
@@ -738,17 +748,19 @@ def recompute_phases_rows(args) -> list[str]:
     ids, pos, mask = fixed_batch(shape, "local", DEVICE)
     saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
                                        hyper_connection.record_as, hyper_connection.run_recorded)
-    mode = ["all"]  # "all", "no hooks" or "no hooks, no records"
+    mode = ["all"]  # "all", "python replays", "no hooks" or "no hooks, no records"
+    native_replay = rm.native_replay()
 
     def no_records(fn, *a, **k):
         return fn(*a, **k)
 
-    transformer_layer.sublayer_saving = lambda: None if mode[0] != "all" else saving()
+    transformer_layer.sublayer_saving = lambda: None if mode[0].startswith("no") else saving()
     hyper_connection.record_as = lambda *a, **k: (None if mode[0] == "no hooks, no records"
                                                   else record_as(*a, **k))
     hyper_connection.run_recorded = lambda *a, **k: (
         no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
     runs = {"mHC": ("mHC", "all"), "mHC + recompute": ("recompute", "all"),
+            "recompute, blocks replayed in Python": ("recompute", "python replays"),
             "recompute, hooks off (ops recorded)": ("recompute", "no hooks"),
             "recompute, hooks and records off (block scopes)": ("recompute",
                                                                 "no hooks, no records")}
@@ -756,6 +768,7 @@ def recompute_phases_rows(args) -> list[str]:
 
     def step(name, out=None):
         model, mode[0] = models[runs[name][0]], runs[name][1]
+        rm.set_native_replay(native_replay and mode[0] != "python replays")
         _sync()
         t0 = time.perf_counter()
         loss = model(ids, pos, mask, labels=ids).float().mean()
@@ -777,6 +790,7 @@ def recompute_phases_rows(args) -> list[str]:
     finally:
         transformer_layer.sublayer_saving = saving
         hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
+        rm.set_native_replay(native_replay)
     base = times["mHC"]
     lines = [f"mHC's step (medians): forward {1e3 * statistics.median(t[0] for t in base):.2f} "
              f"ms, backward {1e3 * statistics.median(t[1] for t in base):.2f} ms "

@@ -411,10 +411,11 @@ def test_native_ranges_look_up_as_python():
     Python ones (manager.py's ``_AddressRanges``, the reference) on the same tensors: an
     output and views of it (offset, strided, reshaped), another dtype on its storage, a tensor
     elsewhere, a CPU tensor, a tensor subclass, an output freed and its address reused, a
-    registration over a freed range; lookups, pack (the tensor itself, or ``on_hit``'s
-    result), unpack, and the ranges held; a recorded op's arguments packed (views of outputs
-    as views, other tensors, parameters and subclasses detached, other values as they are)
-    and its outputs registered where they own their storage."""
+    registration over a freed range; lookups, pack (the tensor itself, or a placeholder of
+    the block with the output's view, its op among the packed ops), unpack, and the ranges
+    held; a recorded op's arguments packed (views of outputs as views, other tensors,
+    parameters and subclasses detached, other values as they are) and its outputs registered
+    where they own their storage."""
     skip_without_host_replay()
     import weakref
 
@@ -428,12 +429,12 @@ def test_native_ranges_look_up_as_python():
         pass
 
     block = Block()
-    hits = []
 
-    def on_hit(ref, t, op, index):
-        assert ref() is block
-        hits.append((op, index))
-        return ("placeholder", op, index)
+    def pack_result(p, t):  # a pack result: ("placeholder", op, index, size, stride, offset)
+        if isinstance(p, torch.Tensor):
+            return p is t
+        assert p.block is block
+        return ("placeholder", *p.view)
 
     class Sub(torch.Tensor):  # (no Python dispatch: a view of its storage like any other)
         pass
@@ -441,7 +442,7 @@ def test_native_ranges_look_up_as_python():
     from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass
 
     def run(cls):
-        ranges = cls(weakref.ref(block), on_hit)
+        ranges = cls(weakref.ref(block))
         a = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
         b = torch.empty(64, 16, device="cuda", dtype=torch.float32)
         ranges.add(a, 0, 0)
@@ -451,8 +452,8 @@ def test_native_ranges_look_up_as_python():
                    b, b.t(), b[3], elsewhere, torch.empty(8), a.as_subclass(Sub),
                    TwoTensor(a, a)]
         looked = [ranges.lookup(t) for t in queries]
-        packed = [ranges.pack(t) for t in queries]
-        packed = [p if isinstance(p, tuple) else p is q for p, q in zip(packed, queries)]
+        packed = [pack_result(ranges.pack(t), t) for t in queries]
+        packed_ops = sorted(ranges.packed_ops)
         a_address = a.data_ptr()
         del a, queries
         reused = torch.empty(4096, device="cuda", dtype=torch.bfloat16)  # (the cached block)
@@ -478,16 +479,20 @@ def test_native_ranges_look_up_as_python():
         ranges.add_outputs(e, 8)
         ranges.add_outputs(torch.empty(16, device="cuda")[4:], 9)
         registered = [ranges.lookup(t) for t in (c, d, e)]
-        return (looked, packed, after_free, entries_freed, entries, ranges.lookup(reused),
-                (type(packed_args).__name__, described, list(deps)), registered)
+        return (looked, packed, packed_ops, after_free, entries_freed, entries,
+                ranges.lookup(reused), (type(packed_args).__name__, described, list(deps)),
+                registered)
 
     results = [run(rc._AddressRanges), run(ext.SavedRanges)]
     for result in results:
-        (looked, packed, (same_address, freed_lookup), entries_freed, entries, reused,
-         recorded, registered) = result
+        (looked, packed, packed_ops, (same_address, freed_lookup), entries_freed, entries,
+         reused, recorded, registered) = result
         assert looked == [(0, 0)] * 4 + [None] + [(3, 2)] * 3 + [None, None, (0, 0), None]
-        assert packed == [("placeholder", 0, 0)] * 4 + [True] + [("placeholder", 3, 2)] * 3 \
+        assert [p[:3] if isinstance(p, tuple) else p for p in packed] == \
+            [("placeholder", 0, 0)] * 4 + [True] + [("placeholder", 3, 2)] * 3 \
             + [True, True, ("placeholder", 0, 0), True]
+        assert packed[1] == ("placeholder", 0, 0, (4079,), (1,), 17)
+        assert packed_ops == [0, 3]
         assert freed_lookup is None  # the freed output's range: expired, whatever the address
         assert entries_freed == [(0, 0, True), (3, 2, False)]
         # the new output replaces the expired range where it took its address
@@ -503,8 +508,9 @@ def test_native_ranges_look_up_as_python():
         assert all(d[1] and d[3:] == (False, None, False) for d in described[3:6]), described
         assert described[6:] == [3, None, PAPER]
         assert registered == [(7, 0), None, (8, 0)], registered
-    # the same packed arguments and registrations from both
-    assert results[0][6:] == results[1][6:]
+    # the same placeholders, packed arguments and registrations from both
+    assert results[0][1] == results[1][1]
+    assert results[0][7:] == results[1][7:]
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 
@@ -628,6 +634,76 @@ def test_native_nodes_save_past_the_block_hooks(megatron_single_rank, monkeypatc
     assert python_packs - native_packs == native_skips, (python_packs, native_packs,
                                                           native_skips)
     assert [b[:3] for b in native_blocks] == [b[:3] for b in python_blocks]
+    _assert_same(python, native)
+
+
+def _replayed_steps(monkeypatch, kind: str, steps: int, between=None) -> tuple:
+    """``steps`` model steps of one model with the C++ hooks and the ops' C++ nodes (the
+    Triton backend): per step, the blocks replayed in all and from C++, and every tensor a
+    placeholder was unpacked to (cloned, in unpack order); then the last step's ``(loss,
+    grads, model)``. ``between(step)`` runs before each step."""
+    from mhc_megatron.kernels import host_replay
+    from mhc_megatron.recompute import manager as rc
+
+    ext = host_replay.extension()
+    unpacked: list = []
+
+    def recording_unpack(obj):
+        out = ext.unpack_saved(obj)
+        if isinstance(obj, ext.Placeholder):
+            unpacked.append((obj.view, out.clone()))
+        return out
+
+    setup_cpu_megatron(seed=7)
+    cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2,
+                      **{**(moe_overrides() if kind == "moe" else {}), **_native_nodes(kind)})
+    model = build_gpt(cfg, DEV)
+    manager = manager_for(cfg)
+    data = batch(device=DEV, seed=3)
+    per_step = []
+    with monkeypatch.context() as patch:
+        patch.setattr(rc, "_hooks", lambda: (ext.SavedRanges, recording_unpack))
+        for step in range(steps):
+            if between is not None:
+                between(step)
+            unpacked.clear()
+            before = manager.blocks_recomputed, manager.blocks_replayed_natively
+            model.zero_grad(set_to_none=True)
+            loss = lm_loss(model, data)
+            loss.backward()
+            per_step.append((manager.blocks_recomputed - before[0],
+                             manager.blocks_replayed_natively - before[1], list(unpacked)))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return per_step, (loss.detach(), grads, model)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_native_replay_gives_the_python_replays_bits(megatron_single_rank, monkeypatch, kind):
+    """A block's replay from C++ by its ops' replay sites, learned from the Python replay of
+    the step before: from the second step on every block replays from C++, and every
+    placeholder unpacks to the same bits as with the Python replay (the replay from C++ off,
+    the same model and data); a change of the launch plans (their generation; also before
+    the first step, so that no earlier test's sites are used) ends the sites, so that step
+    replays in Python and teaches them again. The same loss and gradients."""
+    skip_without_host_replay()
+    from mhc_megatron.kernels.triton_common import PLANS
+    from mhc_megatron.recompute import manager as rc
+
+    monkeypatch.setattr(rc, "_NATIVE_REPLAY", False)
+    python_steps, python = _replayed_steps(monkeypatch, kind, 2)
+    monkeypatch.setattr(rc, "_NATIVE_REPLAY", True)
+    native_steps, native = _replayed_steps(
+        monkeypatch, kind, 4, between=lambda step: PLANS.clear() if step in (0, 2) else None)
+    blocks = python_steps[0][0]
+    assert blocks >= 2 and all(s[:2] == (blocks, 0) for s in python_steps), python_steps
+    assert [s[:2] for s in native_steps] == [(blocks, 0), (blocks, blocks), (blocks, 0),
+                                            (blocks, blocks)], [s[:2] for s in native_steps]
+    reference = python_steps[1][2]
+    assert reference
+    for _, _, unpacked in native_steps:
+        assert [v for v, _ in unpacked] == [v for v, _ in reference]
+        for (view, got), (_, want) in zip(unpacked, reference):
+            assert got.dtype == want.dtype and torch.equal(got, want), view
     _assert_same(python, native)
 
 

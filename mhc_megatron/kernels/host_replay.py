@@ -70,9 +70,9 @@ _SHARED_ALIGN = 256  # bytes: the offsets of tensors sharing an allocation (Trit
 # were specialised on 16-byte aligned pointers; 256 as the allocator's own blocks)
 
 # the extension's sources (csrc/): the replay, the ops' autograd nodes built on it
-# (:mod:`~mhc_megatron.kernels.native_autograd`), and mhc_recompute's saved-tensor hooks
-# (:mod:`mhc_megatron.recompute.manager`)
-_SOURCES = ("host_replay.cpp", "autograd_nodes.cpp", "saved_ranges.cpp")
+# (:mod:`~mhc_megatron.kernels.native_autograd`), and mhc_recompute's saved-tensor hooks and
+# block replays (:mod:`mhc_megatron.recompute.manager`)
+_SOURCES = ("host_replay.cpp", "autograd_nodes.cpp", "saved_ranges.cpp", "block_replay.cpp")
 
 _ENABLED = os.environ.get("MHC_HOST_REPLAY", "1") != "0"
 _extension = None  # the built module, once loaded
@@ -171,16 +171,53 @@ def run(plan, key, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tenso
     replay places in one allocation (each its own tensor at a 256-byte aligned offset, no
     view of another) instead of one each. Returns ``returned``."""
     recipe = plan.recipes.get(key)  # a Recipe, False (not replayable) or None (not recorded)
+    runs = _observed.runs
     if recipe and _ENABLED:
-        return recipe.run(inputs, scratch)
+        returned = recipe.run(inputs, scratch)
+        if runs is not None:
+            runs.append((recipe, inputs, scratch, returned))
+        return returned
     if recipe is None and key[0] is not None and _ENABLED and unavailable() is None \
             and not torch.cuda.is_current_stream_capturing():
         recorder = _Recorder(inputs, scratch)
         with recorder.active():
             returned, temporaries = python()
-        plan.recipes[key] = recorder.register(returned, temporaries, key[0][0], shared) or False
+        recipe = plan.recipes[key] = recorder.register(returned, temporaries, key[0][0],
+                                                       shared) or False
+        if runs is not None:  # (the recipe is this call's launches on these inputs)
+            runs.append((recipe, inputs, scratch, returned) if recipe else None)
         return returned
+    if runs is not None:
+        runs.append(None)
     return python()[0]
+
+
+class _Observed(threading.local):
+    runs: list | None = None
+
+
+_observed = _Observed()
+
+
+class observing:
+    """A context in which this thread's op calls through :func:`run` are reported to ``runs``
+    (a list; None: nothing is): ``(recipe, inputs, scratch, returned)`` for a call replayed
+    from its recipe or recorded as one, None for one that took the Python path otherwise.
+    ``mhc_recompute``'s block replay learns its C++ replay sites from it
+    (:meth:`~mhc_megatron.recompute.manager._BlockState.recompute`)."""
+
+    __slots__ = ("_runs", "_previous")
+
+    def __init__(self, runs: list | None):
+        self._runs = runs
+        self._previous = None
+
+    def __enter__(self) -> list | None:
+        self._previous, _observed.runs = _observed.runs, self._runs
+        return self._runs
+
+    def __exit__(self, *exc) -> None:
+        _observed.runs = self._previous
 
 
 class _Recorder:

@@ -109,6 +109,15 @@ def table(recipe: host_replay.Recipe, python_backward) -> object:
     return recipe.table
 
 
+def replay_generation() -> int | None:
+    """The launch plans' generation (``PLANS.generation``) while op calls may replay from C++
+    without the ops' Python (the host replay on and built, no launch hook set, nothing
+    traced), else None: what ``mhc_recompute``'s replay sites are learned and used at."""
+    if not host_replay.enabled() or host_replay._extension is None or _signing_off():
+        return None
+    return PLANS.generation
+
+
 def link():
     """The C++ half of a :class:`~mhc_megatron.kernels.handoff.DxLink` (combine's gradient
     handed to pre), or None where the extension is not loaded."""

@@ -6,8 +6,8 @@ residual. With ``mhc_recompute=True`` the decoder's layers are grouped into bloc
 ``config.mhc_recompute_block_size`` layers (``mhc_recompute_layer_num``, default eq. 20 of
 the paper: ``round(sqrt(n L / (n + 2)))``). Inside a block, the outputs of the mHC ops
 (the aggregate ``y`` of "pre", the expand-combine; layer 1's stream expansion is a view of
-the embeddings, nothing to recompute) are not kept: each tensor that autograd would save and that is (a view of) such an output is
-replaced by a placeholder. The first time backward unpacks a placeholder of a block, one
+the embeddings, nothing to recompute) are not kept: each tensor that autograd would save and
+that is (a view of) such an output is replaced by a placeholder. The first time backward unpacks a placeholder of a block, one
 hook recomputes the block's mHC ops in forward order (each op's inputs are the block's
 input streams, already-recomputed outputs, and what is kept anyway: sublayer outputs ``f``
 after dropout, parameters) and hands out the recomputed tensors. What stays stored per
@@ -32,9 +32,15 @@ that linear of an attention, MLP or Mamba / gated-delta-net mixer
 without its own norm, whose router and dispatcher both read ``y``; Megatron's ``layernorm``
 selective recompute, whose checkpoint saves ``y`` after the norm returns) the
 hooks stay on over the whole sublayer. Where the host replay extension is built the hooks
-are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded output), else
-the same lookup in Python (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or
-:func:`set_native_hooks` chooses it). With the C++ hooks on top of autograd's hook stack, the
+are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded output; a hit
+becomes a C++ ``Placeholder``, resolved in C++), else the same lookup in Python
+(:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or :func:`set_native_hooks`
+chooses it). With the C++ hooks a block also replays from C++ (:meth:`_BlockState.recompute`):
+each recorded op keeps a description of its arguments there, a Python replay of an op (or of
+a fused pair) that ran one recorded kernel recipe on them teaches a replay site, and a block
+whose needed ops all have sites replays them as one C++ call, without the ops' Python (the
+same recipes on the same tensors; ``MHC_RECOMPUTE_NATIVE_REPLAY=0`` or
+:func:`set_native_replay` turns it off). With the C++ hooks on top of autograd's hook stack, the
 ops' C++ autograd nodes save each tensor that is no registered output (pre's parameters and
 mappings, the combine's ``f`` and mappings) past the hooks, as autograd saves without hooks
 (the pack hook would keep it as it is; torch's ``SavedTensorDefaultHooks::set_tracing``, the
@@ -90,7 +96,8 @@ class _OutputView(NamedTuple):
 
 class _Placeholder:
     """What autograd stores instead of a saved tensor that is an ``_OutputView`` of its
-    ``block``: unpacking it recomputes the block (once) and resolves the view.
+    ``block`` (with the Python ranges; the C++ ranges make the extension's ``Placeholder``, the
+    same in C++): unpacking it recomputes the block (once) and resolves the view.
 
     Reference structure (no cycles, so a block is freed by reference counting as soon as its
     graph is, never left to the cyclic garbage collector with its tensors): the autograd graph
@@ -114,7 +121,8 @@ class _AddressRanges:
     host replay extension is not built; else its ``SavedRanges``, the same decisions in C++):
     ``add`` registers an output (``add_outputs``: those of a recorded op that own their
     storage), ``lookup`` finds the output a tensor is (a view of), ``record_args`` packs a
-    recorded op's arguments, ``pack`` is the block's saved-tensor pack hook, ``entries`` lists
+    recorded op's arguments, ``pack`` is the block's saved-tensor pack hook (a
+    :class:`_Placeholder` for a hit, whose op joins ``packed_ops``), ``entries`` lists
     ``(op, index, expired)``.
 
     The address ranges are sorted by start: a saved tensor whose data pointer falls in none of
@@ -123,9 +131,9 @@ class _AddressRanges:
     (live storages do not overlap) and is dropped then, so the range a pointer falls in is the
     only one that can hold it."""
 
-    def __init__(self, block_ref: weakref.ref, on_hit: Callable):
+    def __init__(self, block_ref: weakref.ref):
         self.block_ref = block_ref
-        self.on_hit = on_hit
+        self.packed_ops: set[int] = set()  # the ops with an output replaced by a placeholder
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, StorageWeakRef, tuple[int, int, torch.dtype]]] = []
         self.full_lookups = 0  # saved tensors that needed more than the address-range check
@@ -166,12 +174,13 @@ class _AddressRanges:
             return None
         return op, index
 
-    def record_args(self, args: tuple, view_type) -> tuple[tuple, list[int]]:
+    def record_args(self, args: tuple, view_type, fn=None, kwargs=None) -> tuple[tuple, list[int]]:
         """A recorded op's arguments as its block keeps them: ``(packed, deps)``, each tensor
         that is (a view of) a registered output as ``view_type(op, index, size, stride,
         offset)`` and every other tensor detached (the replay runs without grad, and the block
         holds no reference into the autograd graph), other values as they are; ``deps`` the
-        ops of those outputs."""
+        ops of those outputs. (``fn`` and ``kwargs``, the op: the C++ ranges keep its
+        arguments' description for its replay sites; unused here.)"""
         packed, deps = [], []
         for a in args:
             found = self.lookup(a) if isinstance(a, torch.Tensor) else None
@@ -196,7 +205,15 @@ class _AddressRanges:
 
     def pack(self, t: torch.Tensor):
         found = self.lookup(t)
-        return t if found is None else self.on_hit(self.block_ref, t, *found)
+        if found is None:
+            return t
+        block = self.block_ref()
+        if block is None:  # (the block is gone: the tensor itself)
+            return t
+        op, index = found
+        self.packed_ops.add(op)
+        return _Placeholder(block, _OutputView(op, index, tuple(t.shape), tuple(t.stride()),
+                                               t.storage_offset()))
 
     def entries(self) -> list[tuple[int, int, bool]]:
         return [(op, index, key.expired()) for _, _, key, (op, index, _) in self._ranges]
@@ -205,17 +222,6 @@ class _AddressRanges:
 def _unpack_saved(obj):
     """The Python unpack hook: a tensor as it is; a placeholder resolves itself."""
     return obj.unpack() if isinstance(obj, _Placeholder) else obj
-
-
-def _on_hit(block_ref: weakref.ref, t: torch.Tensor, op: int, index: int):
-    """What autograd stores for ``t``, (a view of) output ``index`` of op ``op`` of the block
-    ``block_ref`` refers to: a placeholder (``t`` itself once the block is gone)."""
-    block = block_ref()
-    if block is None:
-        return t
-    block.packed_ops.add(op)
-    return _Placeholder(block, _OutputView(op, index, tuple(t.shape), tuple(t.stride()),
-                                           t.storage_offset()))
 
 
 _NATIVE_HOOKS = os.environ.get("MHC_RECOMPUTE_NATIVE_HOOKS", "1") != "0"
@@ -250,6 +256,21 @@ def narrow_hooks() -> bool:
     return _NARROW_HOOKS
 
 
+_NATIVE_REPLAY = os.environ.get("MHC_RECOMPUTE_NATIVE_REPLAY", "1") != "0"
+
+
+def set_native_replay(enabled: bool) -> None:
+    """The blocks' replays from C++ by their ops' replay sites (where the C++ hooks are on;
+    :meth:`_BlockState.recompute`), or always in Python (``MHC_RECOMPUTE_NATIVE_REPLAY=0`` at
+    start-up), for blocks replayed from now on."""
+    global _NATIVE_REPLAY
+    _NATIVE_REPLAY = bool(enabled)
+
+
+def native_replay() -> bool:
+    return _NATIVE_REPLAY
+
+
 def _hooks():
     """``(ranges type, unpack hook)`` of a new block: the extension's ``SavedRanges`` and
     ``unpack_saved`` where the native hooks are on and the extension is built, else the Python
@@ -273,11 +294,17 @@ class _BlockState:
         self.ops: list[tuple[Callable, tuple, dict]] = []
         self.deps: list[set[int]] = []
         ranges, self.unpack_hook = _hooks()
-        self.ranges = ranges(weakref.ref(self), _on_hit)
+        self.ranges = ranges(weakref.ref(self))
+        # the C++ ranges: their placeholders read the outputs there, and ops replay from C++
+        self.native = ranges is not _AddressRanges
         self.pack_hook = self.ranges.pack  # one bound method: the hooks' stack holds it
-        self.packed_ops: set[int] = set()
         self.outputs: dict[int, tuple] | None = None
         self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+    @property
+    def packed_ops(self) -> set[int]:
+        """The ops with an output the pack hook replaced by a placeholder."""
+        return self.ranges.packed_ops
 
     # -- forward
     def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
@@ -286,17 +313,32 @@ class _BlockState:
         detached), and its outputs registered, so that tensors saved from them are
         recomputed."""
         op = len(self.ops)
-        packed, deps = self.ranges.record_args(args, _OutputView)
+        packed, deps = self.ranges.record_args(args, _OutputView, fn, kwargs)
         self.ops.append((fn, packed, kwargs))
         self.deps.append(set(deps))
         self.ranges.add_outputs(outputs, op)
 
     # -- backward
     def recompute(self) -> dict:
-        """Recompute the needed ops of the block once, in forward order."""
+        """Recompute the needed ops of the block once, in forward order: with the C++ ranges
+        by the ops' replay sites from C++ where every needed op has one
+        (``SavedRanges.replay_native``: the outputs stay there, where the placeholders read
+        them), else in Python, where each op (or fused pair) that ran one recorded kernel
+        recipe on its arguments teaches its site (:meth:`_learn`). Returns the outputs the
+        Python placeholders read (empty after a replay from C++)."""
         if self.outputs is not None:
             return self.outputs
         _register_kernel_fusions()
+        generation = self._replay_generation()
+        if generation is not None:
+            done = self.ranges.replay_native(generation, hash(self.autocast))
+            if done is not None:
+                self.outputs = {}
+                self.manager.blocks_recomputed += 1
+                self.manager.blocks_replayed_natively += 1
+                self.manager.ops_recomputed += done[0]
+                self.manager.replays_fused += done[1]
+                return self.outputs
         needed = set(self.packed_ops)
         for op in range(len(self.ops) - 1, -1, -1):
             if op in needed:
@@ -305,43 +347,97 @@ class _BlockState:
         enabled, dtype = self.autocast
         autocast = (torch.autocast("cuda", dtype=dtype) if enabled
                     else contextlib.nullcontext())
+        if generation is not None:  # (the extension is built: its module imports)
+            from mhc_megatron.kernels.host_replay import observing
         with torch.no_grad(), autocast:
             for op in sorted(needed):
                 if op in outputs:  # replayed with the op before it (_replay_fused)
                     continue
                 fn, args, kwargs = self.ops[op]
                 args = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args]
-                if not self._replay_fused(op, fn, args, kwargs, needed, outputs):
-                    out = fn(*args, **kwargs)
-                    outputs[op] = out if isinstance(out, tuple) else (out,)
+                runs = None if generation is None else []
+                with contextlib.nullcontext() if runs is None else observing(runs):
+                    flat = self._replay_fused(op, fn, args, kwargs, needed, outputs)
+                    if flat is None:
+                        out = fn(*args, **kwargs)
+                        outputs[op] = out if isinstance(out, tuple) else (out,)
+                if runs:
+                    self._learn(op, flat, args, runs, outputs, generation)
         self.outputs = outputs
+        if self.native:
+            self.ranges.set_outputs(outputs)
         self.manager.blocks_recomputed += 1
         self.manager.ops_recomputed += len(needed)
         return outputs
 
+    def _replay_generation(self) -> int | None:
+        """The launch plans' generation the replay sites are learned and used at, or None
+        where this block's ops replay in Python only (the Python ranges, the native replay
+        off, op calls not replayed from C++ now)."""
+        if not (self.native and _NATIVE_REPLAY):
+            return None
+        from mhc_megatron.kernels import native_autograd
+
+        return native_autograd.replay_generation()
+
+    def _learn(self, op: int, flat: list | None, args: list, runs: list, outputs: dict,
+               generation: int) -> None:
+        """Teach the C++ ranges the replay site of op ``op`` (with the next op where ``flat``,
+        the arguments of a fused pair, is not None; else ``args``) from its Python replay,
+        where that ran exactly one recorded recipe (``runs``: what
+        :func:`~mhc_megatron.kernels.host_replay.observing` saw) whose
+        inputs are all of them the op's arguments themselves and whose returned tensors are
+        the op's outputs themselves. Else nothing: the op keeps replaying in Python."""
+        if len(runs) != 1 or runs[0] is None:
+            return
+        recipe, inputs, scratch, returned = runs[0]
+        pair = flat is not None
+        flat = flat if pair else args
+        tensors = [id(a) for a in flat if isinstance(a, torch.Tensor)]
+        if scratch or len(set(tensors)) != len(tensors):  # (an argument twice: positions)
+            return
+        positions = []
+        for t in inputs:
+            pos = next((i for i, a in enumerate(flat) if a is t), None)
+            if pos is None:  # an input the op made (a copy, a cast)
+                return
+            positions.append(pos)
+        outs = (outputs[op], outputs[op + 1]) if pair else (outputs[op],)
+        where = {id(t): k for k, t in enumerate(returned)}
+        slots = [(-1, -1)] * len(returned)
+        for which, tup in enumerate(outs):
+            for index, t in enumerate(tup):
+                k = where.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if k is None or slots[k] != (-1, -1):
+                    return
+                slots[k] = (which, index)
+        self.ranges.learn(op, pair, recipe.rid, recipe.device, positions, slots,
+                          [len(t) for t in outs], flat, generation, hash(self.autocast))
+
     def _replay_fused(self, op: int, fn: Callable, args: list, kwargs: dict, needed: set,
-                      outputs: dict) -> bool:
+                      outputs: dict) -> list | None:
         """Replay op ``op`` together with op ``op + 1`` through a registered fusion
         (:func:`register_replay_fusion`) when the next op is needed, is the fusion's second
         function, and takes this op's first output as its first argument (any view of it:
-        the fusion decides from the view's geometry). True when done (both outputs stored)."""
+        the fusion decides from the view's geometry). When done (both outputs stored), the
+        pair's arguments: ``args`` and the next op's after its first; else None."""
         fusion = _REPLAY_FUSIONS.get(fn)
         nxt = op + 1
         if fusion is None or nxt not in needed:
-            return False
+            return None
         fn2, args2, kwargs2 = self.ops[nxt]
         view = args2[0] if args2 else None
         if (fn2 is not fusion.second or not isinstance(view, _OutputView) or view.op != op
                 or view.index != 0
                 or any(isinstance(a, _OutputView) and a.op == op for a in args2[1:])):
-            return False
+            return None
         rest = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args2[1:]]
         done = fusion.fused(args, kwargs, (view.size, view.stride, view.offset), rest, kwargs2)
         if done is None:
-            return False
+            return None
         outputs[op], outputs[nxt] = done
         self.manager.replays_fused += 1
-        return True
+        return [*args, *rest]
 
 
 class MHCRecomputeManager:
@@ -365,6 +461,7 @@ class MHCRecomputeManager:
         # Should it die mid-block (nothing of it saved), the next layer opens a new one.
         self._current: weakref.ref | None = None
         self.blocks_recomputed = 0
+        self.blocks_replayed_natively = 0  # of those, replayed from C++ (their replay sites)
         self.ops_recomputed = 0
         self.replays_fused = 0  # pairs of ops replayed as one (register_replay_fusion)
 

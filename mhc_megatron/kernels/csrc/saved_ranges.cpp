@@ -2,208 +2,121 @@
 // a block registers the storages of its recorded ops' outputs, and every tensor autograd saves
 // inside the block's layers is looked up among them. Most saved tensors (an attention's or an
 // MoE layer's own) are in none: one binary search of the address ranges, no Python frame. A
-// tensor in a registered, still live storage of the output's dtype is handed to the block's
-// Python `on_hit(block_ref, tensor, op, index)`, which makes its placeholder. The same decisions
-// as the Python ranges of manager.py (_AddressRanges), which run where this extension is not
-// built, except that a tensor subclass with a Python dispatch key is always kept as it is (the
-// Python ranges find one that has a data pointer: only memory differs, not a result).
+// tensor in a registered, still live storage of the output's dtype is replaced by a
+// Placeholder (the block, the output and the view of it), which the unpack hook resolves from
+// the block's recomputed outputs, recomputing the block (its Python `recompute()`) on the
+// first unpack. The same decisions as the Python ranges of manager.py (_AddressRanges), which
+// run where this extension is not built, except that a tensor subclass with a Python dispatch
+// key is always kept as it is (the Python ranges find one that has a data pointer: only memory
+// differs, not a result).
 // The ops' C++ nodes save their other tensors past these hooks (save_variable): the pack hook
 // would keep them as they are.
-#include "host_replay.h"
+#include "saved_ranges.h"
 
 #include <ATen/SavedTensorHooks.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <type_traits>
-#include <vector>
-
-namespace py = pybind11;
 
 namespace mhc {
-namespace {
 
-struct Range {
-  uintptr_t start;
-  uintptr_t end;
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  c10::ScalarType dtype;
-  int64_t op;
-  int64_t index;
-};
-
-class SavedRanges : public BlockOutputs {
- public:
-  // block_ref: a weak reference to the block (no cycle block -> ranges -> block); on_hit:
-  // on_hit(block_ref, tensor, op, index) -> what autograd stores for the tensor.
-  SavedRanges(py::object block_ref, py::object on_hit)
-      : block_ref_(std::move(block_ref)), on_hit_(std::move(on_hit)) {}
-
-  // Register `out`, which owns its whole storage, as output `index` of op `op`. Ranges the new
-  // storage overlaps belong to freed storages (live storages do not overlap): dropped.
-  void add(const at::Tensor& out, int64_t op, int64_t index) {
-    const c10::Storage& storage = out.storage();
-    const uintptr_t start = reinterpret_cast<uintptr_t>(storage.data());
-    const uintptr_t end = start + storage.nbytes();
-    auto at = std::upper_bound(ranges_.begin(), ranges_.end(), start,
-                               [](uintptr_t p, const Range& r) { return p < r.start; });
-    auto lo = at;
-    while (lo != ranges_.begin() && std::prev(lo)->end > start) --lo;
-    auto hi = at;
-    while (hi != ranges_.end() && hi->start < end) ++hi;
-    Range range{start, end, storage.getWeakStorageImpl(), out.scalar_type(), op, index};
-    if (lo == hi) {
-      ranges_.insert(lo, std::move(range));
-    } else {
-      *lo = std::move(range);
-      ranges_.erase(std::next(lo), hi);
-    }
+void SavedRanges::add(const at::Tensor& out, int64_t op, int64_t index) {
+  const c10::Storage& storage = out.storage();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(storage.data());
+  const uintptr_t end = start + storage.nbytes();
+  auto at = std::upper_bound(ranges_.begin(), ranges_.end(), start,
+                             [](uintptr_t p, const Range& r) { return p < r.start; });
+  auto lo = at;
+  while (lo != ranges_.begin() && std::prev(lo)->end > start) --lo;
+  auto hi = at;
+  while (hi != ranges_.end() && hi->start < end) ++hi;
+  Range range{start, end, storage.getWeakStorageImpl(), out.scalar_type(), op, index};
+  if (lo == hi) {
+    ranges_.insert(lo, std::move(range));
+  } else {
+    *lo = std::move(range);
+    ranges_.erase(std::next(lo), hi);
   }
+}
 
-  // The registered output `t` is (a view of), or nullptr: `t` in a range, in that range's
-  // storage itself (still live), of its dtype. Tensor subclasses (a Python dispatch key) and
-  // tensors without storage are in none.
-  const Range* find(const at::Tensor& t) {
-    const Range* r = locate(t);
-    if (r != nullptr) ++full_lookups_;
-    return checked(t, r);
+const Range* SavedRanges::find(const at::Tensor& t) {
+  const Range* r = locate(t);
+  if (r != nullptr) ++full_lookups_;
+  return checked(t, r);
+}
+
+py::object SavedRanges::lookup(const at::Tensor& t) {
+  const Range* r = find(t);
+  return r == nullptr ? py::none() : py::object(py::make_tuple(r->op, r->index));
+}
+
+py::object SavedRanges::pack(py::handle obj) {
+  ++packs_;
+  if (!THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
+  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+  const Range* r = find(t);
+  if (r == nullptr) return py::reinterpret_borrow<py::object>(obj);
+  py::object block = block_ref_();
+  if (block.is_none()) return py::reinterpret_borrow<py::object>(obj);
+  packed_ops_.insert(r->op);
+  return py::cast(Placeholder{std::move(block), this,
+                              View{r->op, r->index, t.sizes().vec(), t.strides().vec(),
+                                   t.storage_offset()}});
+}
+
+py::list SavedRanges::entries() const {
+  py::list out;
+  for (const Range& r : ranges_) out.append(py::make_tuple(r.op, r.index, r.storage.expired()));
+  return out;
+}
+
+py::set SavedRanges::packed_ops() const {
+  py::set out;
+  for (int64_t op : packed_ops_) out.add(op);
+  return out;
+}
+
+void SavedRanges::add_whole(const at::Tensor& t, int64_t op, int64_t index) {
+  if (!t.defined() || !t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
+      t.storage_offset() != 0 || !t.is_contiguous() ||
+      t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size()) {
+    return;
   }
+  add(t, op, index);
+}
 
-  // Whether `t` is (a view of) a registered output: what the pack hook looks up, uncounted.
-  bool holds(const at::Tensor& t) const override { return checked(t, locate(t)) != nullptr; }
-
-  // A recorded op's arguments as its block keeps them (manager.py's _BlockState.record):
-  // `(packed, deps)`, `packed` the tuple of `args` with each tensor that is (a view of) a
-  // registered output replaced by `view_type(op, index, size, stride, offset)` and every
-  // other tensor by an alias without autograd history (the replay runs without grad, and the
-  // block holds no reference into the autograd graph), other values as they are; `deps` the
-  // ops of those outputs, in argument order. A plain tensor's alias is its `variable_data()`
-  // (the same storage and geometry, made without an op dispatch; unlike `detach()` it has a
-  // version counter of its own, which the replay does not read); a tensor of any other type
-  // (a Parameter, a subclass) is detached by its own Python `detach`, as the Python ranges
-  // do.
-  py::tuple record_args(const py::tuple& args, const py::handle& view_type) {
-    const size_t count = args.size();
-    py::tuple packed(count);
-    py::list deps;
-    for (size_t i = 0; i < count; ++i) {
-      py::handle a = args[i];
-      if (!THPVariable_Check(a.ptr())) {
-        packed[i] = py::reinterpret_borrow<py::object>(a);
-        continue;
-      }
-      const at::Tensor& t = THPVariable_Unpack(a.ptr());
-      const Range* r = find(t);
-      if (r != nullptr) {
-        packed[i] = view_type(r->op, r->index, int_tuple(t.sizes()), int_tuple(t.strides()),
-                              t.storage_offset());
-        deps.append(r->op);
-      } else if (Py_TYPE(a.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
-        packed[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(t.variable_data()));
-      } else {
-        packed[i] = a.attr("detach")();
-      }
-    }
-    return py::make_tuple(std::move(packed), std::move(deps));
+const Range* SavedRanges::locate(const at::Tensor& t) const {
+  if (!t.defined() || !t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
+      ranges_.empty()) {
+    return nullptr;
   }
+  const uintptr_t ptr = reinterpret_cast<uintptr_t>(t.storage().data()) +
+                        static_cast<uintptr_t>(t.storage_offset()) * t.element_size();
+  auto at = std::upper_bound(ranges_.begin(), ranges_.end(), ptr,
+                             [](uintptr_t p, const Range& r) { return p < r.start; });
+  if (at == ranges_.begin()) return nullptr;
+  const Range& r = *std::prev(at);
+  return ptr < r.end ? &r : nullptr;
+}
 
-  // Register the outputs of recorded op `op` (a tensor, or a tuple of them and other values):
-  // output `index` where it is a tensor that owns its whole storage (offset 0, contiguous, as
-  // many bytes as its elements; a placeholder is rebuilt as a view of the recomputed tensor).
-  // Tensor subclasses with a Python dispatch key and tensors without storage are never found
-  // (find), so they are not registered.
-  void add_outputs(const py::handle& outputs, int64_t op) {
-    if (THPVariable_Check(outputs.ptr())) {
-      add_whole(THPVariable_Unpack(outputs.ptr()), op, 0);
-    } else if (PyTuple_Check(outputs.ptr())) {
-      const py::tuple outs = py::reinterpret_borrow<py::tuple>(outputs);
-      for (size_t i = 0; i < outs.size(); ++i) {
-        if (THPVariable_Check(outs[i].ptr())) {
-          add_whole(THPVariable_Unpack(outs[i].ptr()), op, static_cast<int64_t>(i));
-        }
-      }
-    }
+const Range* SavedRanges::checked(const at::Tensor& t, const Range* r) {
+  if (r == nullptr || r->storage.expired() ||
+      r->storage._unsafe_get_target() != t.storage().unsafeGetStorageImpl() ||
+      t.scalar_type() != r->dtype) {
+    return nullptr;
   }
+  return r;
+}
 
-  py::object lookup(const at::Tensor& t) {
-    const Range* r = find(t);
-    return r == nullptr ? py::none() : py::object(py::make_tuple(r->op, r->index));
-  }
-
-  // The pack hook: the tensor itself, or on_hit's placeholder for a registered output.
-  py::object pack(py::handle obj) {
-    ++packs_;
-    if (!THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
-    const Range* r = find(THPVariable_Unpack(obj.ptr()));
-    if (r == nullptr) return py::reinterpret_borrow<py::object>(obj);
-    return on_hit_(block_ref_, obj, r->op, r->index);
-  }
-
-  // (op, index, expired) of every range held, in address order.
-  py::list entries() const {
-    py::list out;
-    for (const Range& r : ranges_) out.append(py::make_tuple(r.op, r.index, r.storage.expired()));
-    return out;
-  }
-
-  int64_t full_lookups() const { return full_lookups_; }
-  int64_t packs() const { return packs_; }
-
- private:
-  void add_whole(const at::Tensor& t, int64_t op, int64_t index) {
-    if (!t.defined() || !t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
-        t.storage_offset() != 0 || !t.is_contiguous() ||
-        t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size()) {
-      return;
-    }
-    add(t, op, index);
-  }
-
-  static py::tuple int_tuple(c10::IntArrayRef values) {
-    py::tuple out(values.size());
-    for (size_t i = 0; i < values.size(); ++i) out[i] = py::int_(values[i]);
-    return out;
-  }
-
-  // The range `t`'s data pointer falls in, or nullptr (one binary search). Tensor subclasses
-  // (a Python dispatch key) and tensors without storage are in none.
-  const Range* locate(const at::Tensor& t) const {
-    if (!t.defined() || !t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch() ||
-        ranges_.empty()) {
-      return nullptr;
-    }
-    const uintptr_t ptr = reinterpret_cast<uintptr_t>(t.storage().data()) +
-                          static_cast<uintptr_t>(t.storage_offset()) * t.element_size();
-    auto at = std::upper_bound(ranges_.begin(), ranges_.end(), ptr,
-                               [](uintptr_t p, const Range& r) { return p < r.start; });
-    if (at == ranges_.begin()) return nullptr;
-    const Range& r = *std::prev(at);
-    return ptr < r.end ? &r : nullptr;
-  }
-
-  // `r` where `t` is in its storage itself (still live), of its dtype, else nullptr.
-  static const Range* checked(const at::Tensor& t, const Range* r) {
-    if (r == nullptr || r->storage.expired() ||
-        r->storage._unsafe_get_target() != t.storage().unsafeGetStorageImpl() ||
-        t.scalar_type() != r->dtype) {
-      return nullptr;
-    }
-    return r;
-  }
-
-  std::vector<Range> ranges_;  // sorted by start, disjoint
-  py::object block_ref_;
-  py::object on_hit_;
-  int64_t full_lookups_ = 0;
-  int64_t packs_ = 0;  // the pack hook's calls
-};
-
-// The unpack hook: a tensor as it is; a placeholder resolves itself (its `unpack()`).
+// The unpack hook: a tensor as it is; a placeholder resolves itself.
 py::object unpack_saved(py::handle obj) {
   if (THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
+  if (py::isinstance<Placeholder>(obj)) return py::cast(obj.cast<const Placeholder&>().unpack());
   return obj.attr("unpack")();
 }
+
+namespace {
 
 // Whether this torch lets a thread save tensors past the saved-tensor hooks on its stack:
 // `SavedTensorDefaultHooks::set_tracing` (torch >= 2.4; autograd then finds no hooks, as
@@ -258,16 +171,29 @@ torch::autograd::SavedVariable save_variable(const at::Tensor& t, const BlockOut
 
 void bind_saved_ranges(py::module& m) {
   py::class_<SavedRanges>(m, "SavedRanges")
-      .def(py::init<py::object, py::object>(), py::arg("block_ref"), py::arg("on_hit"))
+      .def(py::init<py::object>(), py::arg("block_ref"))
       .def("add", &SavedRanges::add, py::arg("out"), py::arg("op"), py::arg("index"))
-      .def("record_args", &SavedRanges::record_args,
-           "(packed args, deps) of a recorded op's arguments")
+      .def("record_args", &SavedRanges::record_args, py::arg("args"), py::arg("view_type"),
+           py::arg("fn") = py::none(), py::arg("kwargs") = py::none(),
+           "(packed args, deps) of a recorded op's arguments; with fn, the op recorded here too")
       .def("add_outputs", &SavedRanges::add_outputs, "register a recorded op's outputs")
       .def("lookup", &SavedRanges::lookup, "(op, index) of the output t is a view of, or None")
       .def("pack", &SavedRanges::pack, "the saved-tensor pack hook")
+      .def("set_outputs", &SavedRanges::set_outputs, "the block's outputs, replayed in Python")
+      .def("replay_native", &SavedRanges::replay_native, py::arg("generation"),
+           py::arg("autocast"), "replay the needed ops by their sites: (ops, pairs), or None")
+      .def("learn", &SavedRanges::learn, "teach an op's (or a pair's) replay site")
       .def("entries", &SavedRanges::entries)
+      .def_property_readonly("packed_ops", &SavedRanges::packed_ops,
+                             "the ops with an output replaced by a placeholder")
       .def_property_readonly("full_lookups", &SavedRanges::full_lookups)
-      .def_property_readonly("packs", &SavedRanges::packs, "the pack hook's calls");
+      .def_property_readonly("packs", &SavedRanges::packs, "the pack hook's calls")
+      .def_property_readonly("recomputed", &SavedRanges::recomputed)
+      .def_static("sites_held", &SavedRanges::sites_held, "the replay sites learned");
+  py::class_<Placeholder>(m, "Placeholder")
+      .def("unpack", &Placeholder::unpack, "the saved tensor, recomputed")
+      .def_property_readonly("view", &Placeholder::describe, "(op, index, size, stride, offset)")
+      .def_property_readonly("block", [](const Placeholder& p) { return p.block; });
   m.def("unpack_saved", &unpack_saved, "the saved-tensor unpack hook");
 }
 
