@@ -1,7 +1,8 @@
 """The study preset's training step, baseline against mHC (and mHC + ``mhc_recompute``).
 
     python benchmarks/bench_study_step.py [--recompute] [--profile] [--spans] [--module-spans]
-                                          [--python-hooks] [--whole-sublayer-hooks]
+                                          [--python-hooks] [--python-replays]
+                                          [--whole-sublayer-hooks]
                                           [--phases] [--null-ops] [--rounds 4] [--steps 10]
 
 The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32
@@ -28,7 +29,10 @@ time from CUDA events recorded between the phases (which phases the host paces a
 GPU). ``--null-ops``: also mHC with null ops (``bench_host.null_ops``: its layer code, ops
 that allocate and launch nothing). ``--python-hooks`` (with ``--recompute``): also mHC +
 recompute with ``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)``
-during its steps), to compare with the C++ hooks in the same process. ``--whole-sublayer-hooks`` (with
+during its steps), to compare with the C++ hooks in the same process. ``--python-replays``
+(with ``--recompute``): also mHC + recompute with its blocks replayed in Python
+(``set_native_replay(False)``), to compare with their replay from C++ by the ops' replay
+sites. ``--whole-sublayer-hooks`` (with
 ``--recompute``): also mHC + recompute with the hooks on over each whole sublayer
 (``set_narrow_hooks(False)``), not only where mHC outputs are saved.
 Every run's timed steps count Python's garbage collections (a step's collections of each
@@ -62,6 +66,7 @@ MHC_VARIANT = {"mhc_init_static_mapping": "zero", "mhc_init_gating_factor": 0.01
 # run name suffix -> the recompute hooks' switch ((get, set) of mhc_megatron.recompute.manager)
 # that is off during that run's steps
 HOOK_VARIANTS = {", Python hooks": ("native_hooks", "set_native_hooks"),
+                 ", blocks replayed in Python": ("native_replay", "set_native_replay"),
                  ", hooks over the sublayer": ("narrow_hooks", "set_narrow_hooks")}
 
 
@@ -350,6 +355,8 @@ def main(argv=None):
                    help="also the host time of every module class's forward calls")
     p.add_argument("--python-hooks", action="store_true",
                    help="also mHC + recompute with the recompute's hooks in Python")
+    p.add_argument("--python-replays", action="store_true",
+                   help="also mHC + recompute with its blocks replayed in Python")
     p.add_argument("--whole-sublayer-hooks", action="store_true",
                    help="also mHC + recompute with the hooks on over each whole sublayer")
     p.add_argument("--phases", action="store_true",
@@ -361,9 +368,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default=None)
     args, rest = p.parse_known_args(argv)
-    if (args.python_hooks or args.whole_sublayer_hooks) and not args.recompute:
-        p.error("--python-hooks / --whole-sublayer-hooks compare the recompute's hooks: add "
-                "--recompute")
+    if (args.python_hooks or args.python_replays or args.whole_sublayer_hooks) \
+            and not args.recompute:
+        p.error("--python-hooks / --python-replays / --whole-sublayer-hooks compare the "
+                "recompute's hooks and replays: add --recompute")
     if args.phases and args.overlap:
         p.error("--phases reads each step's CUDA events after its loss: drop --overlap")
     run_args = demo.parse_args(STUDY_FLAGS + rest)
@@ -374,6 +382,8 @@ def main(argv=None):
         variants["mHC + recompute"] = {**MHC_VARIANT, "mhc_recompute": True}
     if args.python_hooks:
         variants["mHC + recompute, Python hooks"] = variants["mHC + recompute"]
+    if args.python_replays:
+        variants["mHC + recompute, blocks replayed in Python"] = variants["mHC + recompute"]
     if args.whole_sublayer_hooks:
         variants["mHC + recompute, hooks over the sublayer"] = variants["mHC + recompute"]
     if args.null_ops:

@@ -133,17 +133,19 @@ def test_bench_study_step_on_cpu(tmp_path):
 
 
 def test_bench_study_step_spans_on_cpu(tmp_path):
-    """``--spans --module-spans --python-hooks --whole-sublayer-hooks``: the runs' table with
-    the Python-hooks and whole-sublayer-hooks runs,
+    """``--spans --module-spans --python-hooks --python-replays --whole-sublayer-hooks``: the
+    runs' table with the Python-hooks, Python-replays and whole-sublayer-hooks runs,
     the host time of the phases and of the calls in the forward, and of each module class's
     forward calls, a column per run (the plumbing only)."""
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                      "--recompute", "--python-hooks", "--whole-sublayer-hooks", "--spans",
+                      "--recompute", "--python-hooks", "--python-replays",
+                      "--whole-sublayer-hooks", "--spans",
                       "--module-spans", "--out", str(out))
     text = out.read_text()
     names = ["baseline", "mHC", "mHC + recompute", "mHC + recompute, Python hooks",
+             "mHC + recompute, blocks replayed in Python",
              "mHC + recompute, hooks over the sublayer"]
     assert all(table_rows(text, name) for name in names[3:])
     (header,) = [line for line in text.splitlines() if line.startswith("| | ")]

@@ -207,7 +207,10 @@ void SavedRanges::set_outputs(const py::dict& outputs) {
 py::object SavedRanges::replay_native(int64_t generation, int64_t autocast) {
   const int64_t count = static_cast<int64_t>(ops_.size());
   const ReplaySites& table = replay_sites();
-  if (table.generation != generation || table.sites.empty()) return py::none();
+  if (table.generation != generation || table.sites.empty() ||
+      (!packed_ops_.empty() && *packed_ops_.rbegin() >= count)) {  // (an op recorded without fn)
+    return py::none();
+  }
   const std::vector<char> need = needed();
   outputs_.assign(count, {});
   int64_t replayed = 0, pairs = 0;
@@ -295,10 +298,13 @@ bool SavedRanges::learn(int64_t op, bool pair, int64_t recipe, int64_t device,
     table.sites.clear();
     table.generation = generation;
   }
-  for (int64_t i = 0; i < (pair ? 2 : 1); ++i) {  // the function's address is in the key
-    Py_INCREF(reinterpret_cast<PyObject*>(ops_[op + i].key[0]));  // (kept: never released)
+  const auto [site, added] = table.sites.insert_or_assign(
+      std::move(key), ReplaySite{recipe, device, positions, slots, counts});
+  if (added) {  // the functions' addresses are in the key: kept alive (never released)
+    for (int64_t i = 0; i < (pair ? 2 : 1); ++i) {
+      Py_INCREF(reinterpret_cast<PyObject*>(ops_[op + i].key[0]));
+    }
   }
-  table.sites[std::move(key)] = ReplaySite{recipe, device, positions, slots, counts};
   return true;
 }
 
