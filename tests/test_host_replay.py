@@ -305,6 +305,47 @@ def test_replayed_mappings_share_one_allocation():
 
 
 @pytest.mark.gpu
+def test_replayed_parameter_gradients_share_one_allocation(monkeypatch):
+    """pre backward's parameter gradients replayed share one allocation, each a tensor of its
+    own at a 256-byte aligned offset that does not overlap the others, apart from dx's; bit
+    for bit the gradients of the Python path (the replay off: each its own allocation), and
+    accumulated in ``.grad`` as separate gradients."""
+    skip_without_host_replay()
+    from mhc_megatron.kernels import triton_mhc
+
+    n = 4
+    x, phi, alpha, bias = sublayer_inputs(40, 64, n)
+
+    def step():
+        for t in (x, phi, alpha, bias):
+            t.grad = None
+        y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+        triton_mhc.combine(x, y, None, h_res, h_post, n=n).float().square().sum().backward()
+        return tuple(t.grad for t in (x, phi, alpha, bias))
+
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    python = step()
+    assert len({t.untyped_storage().data_ptr() for t in python}) == 4
+    monkeypatch.setattr(host_replay, "_ENABLED", True)
+    for _ in range(3):  # records the forward and backward, then replays them
+        replayed = step()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, python))
+    dx, dphi, dalpha, dbias = replayed
+    params = (dphi, dalpha, dbias)
+    base = dphi.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base and t._base is None for t in params)
+    assert dx.untyped_storage().data_ptr() != base
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in params)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(t.data_ptr() % 256 == 0 and t.is_contiguous() for t in params)
+    # a second backward accumulates into them: each its own sum
+    y, h_pre, h_post, h_res = triton_mhc.pre(x, phi, alpha, bias, 20, 1e-6, n=n)
+    triton_mhc.combine(x, y, None, h_res, h_post, n=n).float().square().sum().backward()
+    for t, first in zip((phi, alpha, bias), python[1:]):
+        assert torch.equal(t.grad, first + first)
+
+
+@pytest.mark.gpu
 def test_one_stream_as_tokens_and_as_streams_keeps_each_layout():
     """At n=1 the tokens ``[T, 1, C]`` and the streams ``[T, 1, 1*C]`` (``n=1`` given) have one
     shape but y's differ (``[T, C]`` and ``[T, 1, C]``): each replays its own recipe, for pre,

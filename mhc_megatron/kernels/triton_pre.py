@@ -264,15 +264,20 @@ def _pre_backward(saved, dims, bcast, iters, n_streams, form, pending, main_grad
     history = p.sinkhorn_history(iters)
     scratch = (*p.scratch.tensors(dev), *history.tensors(dev))
     # (the launches' other scalars: the Sinkhorn iterations, in sig, and the form's eps;
-    # x's shape: dx's)
+    # x's shape: dx's). The parameters' gradients (dphi, dalpha, dbias: handed to autograd
+    # together, accumulated or freed together) take one allocation in the replay.
     key = (sig, grads_sig, form_eps, x.shape)
     grads = host_replay.run(
         p, key, inputs, scratch,
         lambda: _pre_backward_kernels(p, sig, grads_sig, scratch, inputs, fold, main_grads,
-                                      iters, form_eps, dims=(T, n, C)))
+                                      iters, form_eps, dims=(T, n, C)),
+        shared=_PRE_PARAM_GRADS)
     reused = p.scratch.reuse and history.reuse  # (else fresh temporaries each call)
     return grads, host_replay.recorded(p, key) if reused else None, scratch
 
+
+# pre backward's parameter gradients in its returned (dx, dphi, dalpha, dbias)
+_PRE_PARAM_GRADS = (1, 2, 3)
 
 _apply_pre = applier(_PreFn, tensor_positions=(0, 1, 2, 3))
 
