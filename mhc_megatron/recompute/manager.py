@@ -7,12 +7,12 @@ residual. With ``mhc_recompute=True`` the decoder's layers are grouped into bloc
 the paper: ``round(sqrt(n L / (n + 2)))``). Inside a block, the outputs of the mHC ops
 (the aggregate ``y`` of "pre", the expand-combine; layer 1's stream expansion is a view of
 the embeddings, nothing to recompute) are not kept: each tensor that autograd would save and
-that is (a view of) such an output is replaced by a placeholder. The first time backward unpacks a placeholder of a block, one
-hook recomputes the block's mHC ops in forward order (each op's inputs are the block's
-input streams, already-recomputed outputs, and what is kept anyway: sublayer outputs ``f``
-after dropout, parameters) and hands out the recomputed tensors. What stays stored per
-block: its input streams, plus per sublayer the sublayer output ``f`` (which the combine's
-backward needs in any case) and pre's per-token mappings (``h_pre``, ``h_post``, ``h_res``:
+that is (a view of) such an output is replaced by a placeholder. The first time backward
+unpacks a placeholder of a block, one hook recomputes the block's mHC ops in forward order
+(each op's inputs are the block's input streams, already-recomputed outputs, and what is
+kept anyway: sublayer outputs ``f`` after dropout, parameters) and hands out the recomputed
+tensors. What stays stored per block: its input streams, plus per sublayer the sublayer
+output ``f`` (which the combine's backward needs in any case) and pre's per-token mappings (``h_pre``, ``h_post``, ``h_res``:
 ``2n + n^2`` fp32 values a token, 1/340 of the streams at n=4, C=4096 in bf16), so that the
 replay of pre is its aggregate alone, not the projection over the streams and Sinkhorn. The
 sublayers (attention, MLP/MoE) are not recomputed here; Megatron's own selective recompute

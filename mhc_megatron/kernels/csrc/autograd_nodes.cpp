@@ -48,8 +48,8 @@ auto make_node() {
 // Whether `t` is what a recipe reads for a tensor of `dtype` on `device`: contiguous, 16-byte
 // aligned (as launch.signature requires), on that device.
 bool dense(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
-  return t.defined() && t.scalar_type() == dtype && t.is_contiguous() &&
-         (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0 && t.device() == device;
+  return t.defined() && t.scalar_type() == dtype && t.is_contiguous() && aligned16(t) &&
+         t.device() == device;
 }
 
 at::Tensor tensor_or_undefined(const py::handle& h) {
@@ -297,7 +297,7 @@ std::vector<at::Tensor> pre_apply(const std::shared_ptr<OpTable>& table, const a
   node->link_ = std::move(link);
   for (const at::Tensor& m : main_grads) {
     node->main_signature_.push_back(static_cast<int64_t>(m.scalar_type()));
-    node->main_signature_.push_back((reinterpret_cast<uintptr_t>(m.data_ptr()) & 15) == 0);
+    node->main_signature_.push_back(aligned16(m));
   }
   node->main_grads_ = std::move(main_grads);
   if (!node->main_grads_.empty()) node->params_ = std::make_shared<PyRef>(std::move(params));
@@ -377,7 +377,7 @@ struct Site {
       if (!o.defined) continue;
       if (!t->is_cuda() || t->get_device() != device || t->scalar_type() != o.dtype ||
           t->sizes() != c10::IntArrayRef(o.sizes) || t->strides() != c10::IntArrayRef(o.strides) ||
-          (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15) != 0) {
+          !aligned16(*t)) {
         return false;
       }
     }

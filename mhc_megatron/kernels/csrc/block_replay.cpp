@@ -89,8 +89,11 @@ bool describe_value(std::vector<int64_t>& key, const py::handle& v) {
   return true;
 }
 
-bool aligned16(const at::Tensor& t) {
-  return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+// Whether a view at `offset` elements of `element_size` bytes into a replayed output is
+// 16-byte aligned: the replay's outputs are allocations of their own (aligned), so the offset
+// tells.
+bool offset_aligned16(int64_t offset, size_t element_size) {
+  return (offset * static_cast<int64_t>(element_size)) % 16 == 0;
 }
 
 }  // namespace
@@ -126,9 +129,8 @@ py::tuple SavedRanges::record_args(const py::tuple& args, const py::handle& view
       if (recording) {
         View v{r->op, r->index, t.sizes().vec(), t.strides().vec(), t.storage_offset()};
         rec.key.push_back(T_VIEW);
-        // (the replay's outputs are allocations of their own: aligned, the offset tells)
         describe_geometry(rec.key, t.scalar_type(), t.get_device(), t.sizes(), t.strides(),
-                          (t.storage_offset() * static_cast<int64_t>(t.element_size())) % 16 == 0);
+                          offset_aligned16(t.storage_offset(), t.element_size()));
         rec.deps.push_back(r->op);
         rec.args.push_back(OpArg{OpArg::VIEW, std::move(v), {}});
       }
@@ -236,8 +238,7 @@ py::object SavedRanges::replay_native(int64_t generation, int64_t autocast) {
         continue;
       }
       at::Tensor t = view_of(arg.view);
-      if (!t.defined() ||
-          aligned16(t) != (arg.view.offset * static_cast<int64_t>(t.element_size())) % 16 == 0) {
+      if (!t.defined() || aligned16(t) != offset_aligned16(arg.view.offset, t.element_size())) {
         return miss();
       }
       inputs.push_back(std::move(t));
@@ -274,9 +275,9 @@ bool SavedRanges::learn(int64_t op, bool pair, int64_t recipe, int64_t device,
     if (arg.kind != OpArg::VIEW) continue;
     if (!THPVariable_Check(flat[pos].ptr())) return false;
     const at::Tensor& t = THPVariable_Unpack(flat[pos].ptr());
-    const bool aligned = (arg.view.offset * static_cast<int64_t>(t.element_size())) % 16 == 0;
     if (t.sizes() != c10::IntArrayRef(arg.view.size) ||
-        t.strides() != c10::IntArrayRef(arg.view.stride) || aligned16(t) != aligned) {
+        t.strides() != c10::IntArrayRef(arg.view.stride) ||
+        aligned16(t) != offset_aligned16(arg.view.offset, t.element_size())) {
       return false;
     }
   }
@@ -386,8 +387,6 @@ py::object SavedRanges::miss() {
   outputs_.clear();
   return py::none();
 }
-
-int64_t SavedRanges::sites_held() { return static_cast<int64_t>(replay_sites().sites.size()); }
 
 at::Tensor Placeholder::unpack() const { return ranges->resolve(*this); }
 

@@ -15,6 +15,12 @@ std::vector<at::Tensor> replay(int64_t id, const std::vector<at::Tensor>& inputs
                                const std::vector<at::Tensor>& scratch, void* stream,
                                int64_t device);
 
+// Whether `t`'s data is 16-byte aligned (what Triton's kernels were specialised on, and
+// launch.signature requires).
+inline bool aligned16(const at::Tensor& t) {
+  return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0;
+}
+
 // Whether `stream` (of CUDA device `device`) is capturing a CUDA graph.
 bool capturing(void* stream, int64_t device);
 

@@ -187,9 +187,7 @@ void bind_saved_ranges(py::module& m) {
       .def_property_readonly("packed_ops", &SavedRanges::packed_ops,
                              "the ops with an output replaced by a placeholder")
       .def_property_readonly("full_lookups", &SavedRanges::full_lookups)
-      .def_property_readonly("packs", &SavedRanges::packs, "the pack hook's calls")
-      .def_property_readonly("recomputed", &SavedRanges::recomputed)
-      .def_static("sites_held", &SavedRanges::sites_held, "the replay sites learned");
+      .def_property_readonly("packs", &SavedRanges::packs, "the pack hook's calls");
   py::class_<Placeholder>(m, "Placeholder")
       .def("unpack", &Placeholder::unpack, "the saved tensor, recomputed")
       .def_property_readonly("view", &Placeholder::describe, "(op, index, size, stride, offset)")

@@ -146,8 +146,6 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
 
   int64_t full_lookups() const { return full_lookups_; }
   int64_t packs() const { return packs_; }
-  bool recomputed() const { return recomputed_; }
-  static int64_t sites_held();  // the replay sites learned in this process
 
  private:
   void add_whole(const at::Tensor& t, int64_t op, int64_t index);
