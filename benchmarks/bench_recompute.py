@@ -96,7 +96,9 @@ def measure(model, args):
 
 def census(model, args, top=8):
     """What the mHC-recompute forward still stores: saved tensors that pass our pack hook
-    unreplaced and are alive after forward, grouped by (shape, dtype), largest first."""
+    unreplaced and are alive after forward, grouped by (shape, dtype), largest first. (The
+    hooks in Python and on over each whole sublayer, so that the pack hook sees every saved
+    tensor: the same placeholders as the C++ hooks.)"""
     import collections
 
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -104,7 +106,8 @@ def census(model, args, top=8):
     from mhc_megatron.recompute import manager as rc
 
     seen = {}
-    orig = rc._BlockState.pack
+    orig = rc._AddressRanges.pack
+    native, narrow = rc.native_hooks(), rc.narrow_hooks()
 
     def pack(self, t):
         out = orig(self, t)
@@ -113,7 +116,9 @@ def census(model, args, top=8):
                                                            out.untyped_storage().nbytes())
         return out
 
-    rc._BlockState.pack = pack
+    rc._AddressRanges.pack = pack
+    rc.set_native_hooks(False)
+    rc.set_narrow_hooks(False)
     try:
         ids = torch.randint(0, args.vocab, (args.mbs, args.seq), device="cuda")
         pos = torch.arange(args.seq, device="cuda").expand(args.mbs, args.seq)
@@ -127,7 +132,9 @@ def census(model, args, top=8):
                 count[(shape, dtype)] += 1
         del loss
     finally:
-        rc._BlockState.pack = orig
+        rc._AddressRanges.pack = orig
+        rc.set_native_hooks(native)
+        rc.set_narrow_hooks(narrow)
     return [(f"{s} {d}", count[(s, d)], b / GIB) for (s, d), b in groups.most_common(top)]
 
 

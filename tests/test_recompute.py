@@ -11,6 +11,7 @@ from helpers import (batch, build_gpt, lm_loss, moe_overrides, needs_te,
                      skip_without_host_replay, tiny_config)
 
 from mhc_megatron.recompute import MHCRecomputeManager, manager_for
+from mhc_megatron.recompute.manager import _OutputView
 from mhc_testing.cpu import setup_cpu_megatron
 
 LAYERS = 4
@@ -134,7 +135,7 @@ def test_block_internal_streams_are_freed_after_forward(megatron_single_rank, mo
         assert st.packed_ops, "no saved tensor was replaced by a placeholder"
         assert st.outputs is None  # nothing recomputed before backward
         # the ops that write streams (layer 1's expansion is a view: no op)
-        streams = [op for op, (fn, _, _) in enumerate(st.ops)
+        streams = [op for op, (fn, *_) in enumerate(st.ranges.recorded_ops(_OutputView))
                    if fn.__name__ in ("_reference_combine", "combine")]
         last = max(streams)
         entries = st.ranges.entries()
@@ -466,7 +467,9 @@ def test_native_ranges_look_up_as_python():
         param = torch.nn.Parameter(torch.ones(3, device="cuda"))
         sub = torch.ones(5, device="cuda").as_subclass(Sub)
         args = (reused, reused[8:].view(-1, 8), b.t(), grad, param, sub, 3, None, PAPER)
-        packed_args, deps = ranges.record_args(args, rc._OutputView)
+        ranges.record(rc.record_as, args, {"n": 4}, None)
+        fn, packed_args, kwargs, deps = ranges.recorded_ops(rc._OutputView)[-1]
+        assert fn is rc.record_as and kwargs == {"n": 4}
         described = [tuple(p) if isinstance(p, rc._OutputView) else
                      (type(p).__name__, p.data_ptr() == a.data_ptr(), tuple(p.shape),
                       p.requires_grad, p.grad_fn, p is a) if isinstance(p, torch.Tensor) else p
@@ -500,7 +503,7 @@ def test_native_ranges_look_up_as_python():
                                                                        (5, 1, False)]
         assert reused == (5, 1)
         kind, described, deps = recorded
-        assert kind == "tuple" and deps == [5, 5, 3], recorded
+        assert kind == "tuple" and deps == [3, 5], recorded
         assert described[0] == (5, 1, (4096,), (1,), 0)
         assert described[1] == (5, 1, (511, 8), (8, 1), 8)
         assert described[2] == (3, 2, (16, 64), (1, 16), 0)

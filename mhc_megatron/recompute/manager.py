@@ -120,8 +120,8 @@ class _AddressRanges:
     """The storages of a block's recorded op outputs by address range, in Python (where the
     host replay extension is not built; else its ``SavedRanges``, the same decisions in C++):
     ``add`` registers an output (``add_outputs``: those of a recorded op that own their
-    storage), ``lookup`` finds the output a tensor is (a view of), ``record_args`` packs a
-    recorded op's arguments, ``pack`` is the block's saved-tensor pack hook (a
+    storage), ``lookup`` finds the output a tensor is (a view of), ``record`` records an op
+    (its arguments packed, its outputs registered), ``recorded_ops`` lists them, ``pack`` is the block's saved-tensor pack hook (a
     :class:`_Placeholder` for a hit, whose op joins ``packed_ops``), ``entries`` lists
     ``(op, index, expired)``.
 
@@ -133,6 +133,7 @@ class _AddressRanges:
 
     def __init__(self, block_ref: weakref.ref):
         self.block_ref = block_ref
+        self._ops: list[tuple[Callable, tuple, dict, set[int]]] = []  # (fn, packed, kwargs, deps)
         self.packed_ops: set[int] = set()  # the ops with an output replaced by a placeholder
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, StorageWeakRef, tuple[int, int, torch.dtype]]] = []
@@ -174,23 +175,30 @@ class _AddressRanges:
             return None
         return op, index
 
-    def record_args(self, args: tuple, view_type, fn=None, kwargs=None) -> tuple[tuple, list[int]]:
-        """A recorded op's arguments as its block keeps them: ``(packed, deps)``, each tensor
-        that is (a view of) a registered output as ``view_type(op, index, size, stride,
-        offset)`` and every other tensor detached (the replay runs without grad, and the block
-        holds no reference into the autograd graph), other values as they are; ``deps`` the
-        ops of those outputs. (``fn`` and ``kwargs``, the op: the C++ ranges keep its
-        arguments' description for its replay sites; unused here.)"""
-        packed, deps = [], []
+    def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
+        """Record op ``fn(*args, **kwargs)``, which returned ``outputs``, as the next op: its
+        arguments packed (each tensor that is (a view of) a registered output as an
+        :class:`_OutputView`, every other tensor detached: the replay runs without grad, and
+        the block holds no reference into the autograd graph; other values as they are), the
+        ops of those outputs its dependencies; then its outputs registered
+        (:meth:`add_outputs`)."""
+        packed, deps = [], set()
         for a in args:
             found = self.lookup(a) if isinstance(a, torch.Tensor) else None
             if found is not None:
-                deps.append(found[0])
-                packed.append(view_type(*found, tuple(a.shape), tuple(a.stride()),
-                                        a.storage_offset()))
+                deps.add(found[0])
+                packed.append(_OutputView(*found, tuple(a.shape), tuple(a.stride()),
+                                          a.storage_offset()))
             else:
                 packed.append(a.detach() if isinstance(a, torch.Tensor) else a)
-        return tuple(packed), deps
+        op = len(self._ops)
+        self._ops.append((fn, tuple(packed), kwargs, deps))
+        self.add_outputs(outputs, op)
+
+    def recorded_ops(self, view_type=None) -> list[tuple[Callable, tuple, dict, set[int]]]:
+        """The recorded ops, ``(fn, packed args, kwargs, deps)`` each (``view_type``: the C++
+        ranges' signature; the views here are :class:`_OutputView` already)."""
+        return self._ops
 
     def add_outputs(self, outputs, op: int) -> None:
         """Register the outputs of op ``op`` (a tensor, or a tuple of them and other values)
@@ -291,8 +299,6 @@ class _BlockState:
         self.manager = manager
         self.block_id = block_id
         self.last_layer = 0
-        self.ops: list[tuple[Callable, tuple, dict]] = []
-        self.deps: list[set[int]] = []
         ranges, self.unpack_hook = _hooks()
         self.ranges = ranges(weakref.ref(self))
         # the C++ ranges: their placeholders read the outputs there, and ops replay from C++
@@ -308,15 +314,11 @@ class _BlockState:
 
     # -- forward
     def record(self, fn: Callable, args: tuple, kwargs: dict, outputs) -> None:
-        """Record op ``fn(*args, **kwargs)``, which returned ``outputs``: its arguments as
-        the ranges pack them (outputs of earlier ops as views of them, other tensors
+        """Record op ``fn(*args, **kwargs)``, which returned ``outputs``, in the block's
+        ranges: its arguments (outputs of earlier ops as views of them, other tensors
         detached), and its outputs registered, so that tensors saved from them are
         recomputed."""
-        op = len(self.ops)
-        packed, deps = self.ranges.record_args(args, _OutputView, fn, kwargs)
-        self.ops.append((fn, packed, kwargs))
-        self.deps.append(set(deps))
-        self.ranges.add_outputs(outputs, op)
+        self.ranges.record(fn, args, kwargs, outputs)
 
     # -- backward
     def recompute(self) -> dict:
@@ -339,10 +341,11 @@ class _BlockState:
                 self.manager.ops_recomputed += done[0]
                 self.manager.replays_fused += done[1]
                 return self.outputs
+        ops = self.ranges.recorded_ops(_OutputView)
         needed = set(self.packed_ops)
-        for op in range(len(self.ops) - 1, -1, -1):
+        for op in range(len(ops) - 1, -1, -1):
             if op in needed:
-                needed |= self.deps[op]
+                needed |= ops[op][3]
         outputs: dict[int, tuple] = {}
         enabled, dtype = self.autocast
         autocast = (torch.autocast("cuda", dtype=dtype) if enabled
@@ -353,11 +356,11 @@ class _BlockState:
             for op in sorted(needed):
                 if op in outputs:  # replayed with the op before it (_replay_fused)
                     continue
-                fn, args, kwargs = self.ops[op]
+                fn, args, kwargs, _ = ops[op]
                 args = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args]
                 runs = None if generation is None else []
                 with contextlib.nullcontext() if runs is None else observing(runs):
-                    flat = self._replay_fused(op, fn, args, kwargs, needed, outputs)
+                    flat = self._replay_fused(ops, op, args, kwargs, needed, outputs)
                     if flat is None:
                         out = fn(*args, **kwargs)
                         outputs[op] = out if isinstance(out, tuple) else (out,)
@@ -414,18 +417,19 @@ class _BlockState:
         self.ranges.learn(op, pair, recipe.rid, recipe.device, positions, slots,
                           [len(t) for t in outs], flat, generation, hash(self.autocast))
 
-    def _replay_fused(self, op: int, fn: Callable, args: list, kwargs: dict, needed: set,
+    def _replay_fused(self, ops: list, op: int, args: list, kwargs: dict, needed: set,
                       outputs: dict) -> list | None:
-        """Replay op ``op`` together with op ``op + 1`` through a registered fusion
+        """Replay op ``op`` of ``ops`` (the ranges' ``recorded_ops``) together with op
+        ``op + 1`` through a registered fusion
         (:func:`register_replay_fusion`) when the next op is needed, is the fusion's second
         function, and takes this op's first output as its first argument (any view of it:
         the fusion decides from the view's geometry). When done (both outputs stored), the
         pair's arguments: ``args`` and the next op's after its first; else None."""
-        fusion = _REPLAY_FUSIONS.get(fn)
+        fusion = _REPLAY_FUSIONS.get(ops[op][0])
         nxt = op + 1
         if fusion is None or nxt not in needed:
             return None
-        fn2, args2, kwargs2 = self.ops[nxt]
+        fn2, args2, kwargs2, _ = ops[nxt]
         view = args2[0] if args2 else None
         if (fn2 is not fusion.second or not isinstance(view, _OutputView) or view.op != op
                 or view.index != 0

@@ -98,73 +98,84 @@ bool offset_aligned16(int64_t offset, size_t element_size) {
 
 }  // namespace
 
-py::tuple SavedRanges::record_args(const py::tuple& args, const py::handle& view_type,
-                                  const py::handle& fn, const py::handle& kwargs) {
+void SavedRanges::record(const py::handle& fn, const py::tuple& args, const py::handle& kwargs,
+                         const py::handle& outputs) {
   const size_t count = args.size();
-  const bool recording = !fn.is_none();
+  const int64_t op = static_cast<int64_t>(ops_.size());
   OpRecord rec;
-  if (recording) {
-    rec.args.reserve(count);
-    rec.key.push_back(reinterpret_cast<int64_t>(fn.ptr()));
-    rec.key.push_back(static_cast<int64_t>(count));
-  }
-  py::tuple packed(count);
-  py::list deps;
+  rec.fn = py::reinterpret_borrow<py::object>(fn);
+  rec.kwargs = py::reinterpret_borrow<py::object>(kwargs);
+  rec.args.reserve(count);
+  rec.key.push_back(reinterpret_cast<int64_t>(fn.ptr()));
+  rec.key.push_back(static_cast<int64_t>(count));
   for (size_t i = 0; i < count; ++i) {
     py::handle a = args[i];
     if (!THPVariable_Check(a.ptr())) {
-      packed[i] = py::reinterpret_borrow<py::object>(a);
-      if (recording) {
-        rec.args.push_back(OpArg{OpArg::VALUE, {}, {}});
-        rec.keyable = rec.keyable && describe_value(rec.key, a);
-      }
+      rec.args.push_back(OpArg{OpArg::VALUE, {}, {}, py::reinterpret_borrow<py::object>(a)});
+      rec.keyable = rec.keyable && describe_value(rec.key, a);
       continue;
     }
     const at::Tensor& t = THPVariable_Unpack(a.ptr());
     const Range* r = find(t);
     if (r != nullptr) {
-      packed[i] = view_type(r->op, r->index, int_tuple(t.sizes()), int_tuple(t.strides()),
-                            t.storage_offset());
-      deps.append(r->op);
-      if (recording) {
-        View v{r->op, r->index, t.sizes().vec(), t.strides().vec(), t.storage_offset()};
-        rec.key.push_back(T_VIEW);
-        describe_geometry(rec.key, t.scalar_type(), t.get_device(), t.sizes(), t.strides(),
-                          offset_aligned16(t.storage_offset(), t.element_size()));
-        rec.deps.push_back(r->op);
-        rec.args.push_back(OpArg{OpArg::VIEW, std::move(v), {}});
-      }
+      rec.key.push_back(T_VIEW);
+      describe_geometry(rec.key, t.scalar_type(), t.get_device(), t.sizes(), t.strides(),
+                        offset_aligned16(t.storage_offset(), t.element_size()));
+      rec.deps.push_back(r->op);
+      rec.args.push_back(OpArg{OpArg::VIEW,
+                               View{r->op, r->index, t.sizes().vec(), t.strides().vec(),
+                                    t.storage_offset()},
+                               {}, {}});
       continue;
     }
     const bool plain = Py_TYPE(a.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
-    packed[i] = plain ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t.variable_data()))
-                      : py::object(a.attr("detach")());
-    if (recording) {
-      const at::Tensor& kept = THPVariable_Unpack(packed[i].ptr());
-      if (!kept.defined() || !kept.has_storage() ||
-          kept.unsafeGetTensorImpl()->is_python_dispatch()) {
-        rec.keyable = false;
+    py::object value = plain ? py::object() : py::object(a.attr("detach")());
+    at::Tensor kept = plain ? t.variable_data() : THPVariable_Unpack(value.ptr());
+    if (!kept.defined() || !kept.has_storage() ||
+        kept.unsafeGetTensorImpl()->is_python_dispatch()) {
+      rec.keyable = false;
+    } else {
+      rec.key.push_back(T_TENSOR);
+      describe_geometry(rec.key, kept.scalar_type(), kept.get_device(), kept.sizes(),
+                        kept.strides(), aligned16(kept));
+    }
+    rec.args.push_back(OpArg{OpArg::TENSOR, {}, std::move(kept), std::move(value)});
+  }
+  if (!kwargs.is_none()) {
+    const py::dict kw = py::reinterpret_borrow<py::dict>(kwargs);
+    rec.key.push_back(T_KWARGS);
+    rec.key.push_back(static_cast<int64_t>(kw.size()));
+    for (const auto& item : kw) {
+      rec.key.push_back(static_cast<int64_t>(py::hash(item.first)));
+      rec.keyable = rec.keyable && describe_value(rec.key, item.second);
+    }
+  }
+  ops_.push_back(std::move(rec));
+  add_outputs(outputs, op);
+}
+
+py::list SavedRanges::recorded_ops(const py::handle& view_type) const {
+  py::list out;
+  for (const OpRecord& rec : ops_) {
+    py::tuple packed(rec.args.size());
+    for (size_t i = 0; i < rec.args.size(); ++i) {
+      const OpArg& arg = rec.args[i];
+      if (arg.kind == OpArg::VIEW) {
+        const View& v = arg.view;
+        packed[i] = view_type(v.op, v.index, int_tuple(v.size), int_tuple(v.stride), v.offset);
+      } else if (arg.value) {
+        packed[i] = arg.value;
       } else {
-        rec.key.push_back(T_TENSOR);
-        describe_geometry(rec.key, kept.scalar_type(), kept.get_device(), kept.sizes(),
-                          kept.strides(), aligned16(kept));
-      }
-      rec.args.push_back(OpArg{OpArg::TENSOR, {}, kept});
-    }
-  }
-  if (recording) {
-    if (!kwargs.is_none()) {
-      const py::dict kw = py::reinterpret_borrow<py::dict>(kwargs);
-      rec.key.push_back(T_KWARGS);
-      rec.key.push_back(static_cast<int64_t>(kw.size()));
-      for (const auto& item : kw) {
-        rec.key.push_back(static_cast<int64_t>(py::hash(item.first)));
-        rec.keyable = rec.keyable && describe_value(rec.key, item.second);
+        packed[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(arg.tensor));
       }
     }
-    ops_.push_back(std::move(rec));
+    py::set deps;
+    for (int64_t dep : rec.deps) deps.add(dep);
+    out.append(py::make_tuple(rec.fn, std::move(packed),
+                              rec.kwargs.is_none() ? py::object(py::dict()) : rec.kwargs,
+                              std::move(deps)));
   }
-  return py::make_tuple(std::move(packed), std::move(deps));
+  return out;
 }
 
 void SavedRanges::add_outputs(const py::handle& outputs, int64_t op) {
@@ -210,7 +221,7 @@ py::object SavedRanges::replay_native(int64_t generation, int64_t autocast) {
   const int64_t count = static_cast<int64_t>(ops_.size());
   const ReplaySites& table = replay_sites();
   if (table.generation != generation || table.sites.empty() ||
-      (!packed_ops_.empty() && *packed_ops_.rbegin() >= count)) {  // (an op recorded without fn)
+      (!packed_ops_.empty() && *packed_ops_.rbegin() >= count)) {
     return py::none();
   }
   const std::vector<char> need = needed();

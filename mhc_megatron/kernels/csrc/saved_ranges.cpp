@@ -173,9 +173,10 @@ void bind_saved_ranges(py::module& m) {
   py::class_<SavedRanges>(m, "SavedRanges")
       .def(py::init<py::object>(), py::arg("block_ref"))
       .def("add", &SavedRanges::add, py::arg("out"), py::arg("op"), py::arg("index"))
-      .def("record_args", &SavedRanges::record_args, py::arg("args"), py::arg("view_type"),
-           py::arg("fn") = py::none(), py::arg("kwargs") = py::none(),
-           "(packed args, deps) of a recorded op's arguments; with fn, the op recorded here too")
+      .def("record", &SavedRanges::record, py::arg("fn"), py::arg("args"), py::arg("kwargs"),
+           py::arg("outputs"), "record an op's arguments and register its outputs")
+      .def("recorded_ops", &SavedRanges::recorded_ops, py::arg("view_type"),
+           "[(fn, packed args, kwargs, deps)] of the recorded ops, for a Python replay")
       .def("add_outputs", &SavedRanges::add_outputs, "register a recorded op's outputs")
       .def("lookup", &SavedRanges::lookup, "(op, index) of the output t is a view of, or None")
       .def("pack", &SavedRanges::pack, "the saved-tensor pack hook")

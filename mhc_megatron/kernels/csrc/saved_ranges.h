@@ -36,18 +36,23 @@ struct View {
   int64_t offset;
 };
 
-// A recorded op's argument as the native replay reads it: a view of an earlier op's output, a
-// tensor the block keeps (an alias without autograd history), or another value.
-struct OpArg {
+// A recorded op's argument: a view of an earlier op's output, a tensor the block keeps (an
+// alias without autograd history), or another value. `value`: the Python object a Python replay
+// passes (the value; for a kept tensor of another type than torch.Tensor, its Python
+// `detach()`; none for a plain tensor, wrapped from `tensor` when a Python replay asks).
+struct MHC_MODULE_LOCAL OpArg {
   enum Kind : int8_t { VIEW, TENSOR, VALUE } kind;
   View view;
   at::Tensor tensor;
+  py::object value;
 };
 
-// A recorded op: its arguments, the ops whose outputs they view, and the description a replay
-// site is keyed by (keyable: every argument and keyword is a tensor, None, a bool, an int or a
-// float; else the op has no site and its block replays in Python).
-struct OpRecord {
+// A recorded op: its function and keywords, its arguments, the ops whose outputs they view, and
+// the description a replay site is keyed by (keyable: every argument and keyword is a tensor,
+// None, a bool, an int or a float; else the op has no site and its block replays in Python).
+struct MHC_MODULE_LOCAL OpRecord {
+  py::object fn;
+  py::object kwargs;
   std::vector<OpArg> args;
   std::vector<int64_t> deps;
   std::vector<int64_t> key;
@@ -86,19 +91,24 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
   // Whether `t` is (a view of) a registered output: what the pack hook looks up, uncounted.
   bool holds(const at::Tensor& t) const override { return checked(t, locate(t)) != nullptr; }
 
-  // A recorded op's arguments as its block keeps them (manager.py's _BlockState.record):
-  // `(packed, deps)`, `packed` the tuple of `args` with each tensor that is (a view of) a
-  // registered output replaced by `view_type(op, index, size, stride, offset)` and every
-  // other tensor by an alias without autograd history (the replay runs without grad, and the
-  // block holds no reference into the autograd graph), other values as they are; `deps` the
-  // ops of those outputs, in argument order. A plain tensor's alias is its `variable_data()`
-  // (the same storage and geometry, made without an op dispatch; unlike `detach()` it has a
-  // version counter of its own, which the replay does not read); a tensor of any other type
-  // (a Parameter, a subclass) is detached by its own Python `detach`, as the Python ranges
-  // do. With `fn` (the op; `kwargs` its keywords) the op is recorded here too, as the next op
-  // (its index: the ops recorded before it), for the replay from C++.
-  py::tuple record_args(const py::tuple& args, const py::handle& view_type,
-                        const py::handle& fn, const py::handle& kwargs);
+  // Record op `fn(*args, **kwargs)` (kwargs a dict or None), which returned `outputs`, as the
+  // next op (its index: the ops recorded before it) (manager.py's _BlockState.record): each
+  // argument that is (a view of) a registered output kept as that view, every other tensor as
+  // an alias without autograd history (the replay runs without grad, and the block holds no
+  // reference into the autograd graph), other values as they are; then its outputs registered
+  // (add_outputs). A plain tensor's alias is its `variable_data()` (the same storage and
+  // geometry, made without an op dispatch; unlike `detach()` it has a version counter of its
+  // own, which the replay does not read); a tensor of any other type (a Parameter, a
+  // subclass) is detached by its own Python `detach`, as the Python ranges do. No Python object
+  // is made for a plain tensor or a view: recorded_ops makes them for a Python replay.
+  void record(const py::handle& fn, const py::tuple& args, const py::handle& kwargs,
+              const py::handle& outputs);
+
+  // The recorded ops as a Python replay takes them: a list of `(fn, packed, kwargs, deps)`,
+  // `packed` the tuple of the op's arguments with each view of an output as
+  // `view_type(op, index, size, stride, offset)` and each kept tensor as its alias, `deps`
+  // the set of the ops those views are of.
+  py::list recorded_ops(const py::handle& view_type) const;
 
   // Register the outputs of recorded op `op` (a tensor, or a tuple of them and other values):
   // output `index` where it is a tensor that owns its whole storage (offset 0, contiguous, as
@@ -173,7 +183,7 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
   py::object miss();
 
   std::vector<Range> ranges_;  // sorted by start, disjoint
-  std::vector<OpRecord> ops_;  // the recorded ops (record_args with their function)
+  std::vector<OpRecord> ops_;  // the recorded ops
   std::set<int64_t> packed_ops_;  // the ops with an output replaced by a placeholder
   std::vector<std::vector<at::Tensor>> outputs_;  // the recomputed outputs, by op
   bool recomputed_ = false;
