@@ -575,9 +575,8 @@ def _pack_calls_and_skips(monkeypatch, kind: str) -> tuple:
     """One model step (:func:`_step_blocks`) with the hooks as the caller set them:
     ``(result, blocks, pack hook calls, skips)``, ``skips`` the tensors the ops' C++ nodes may
     save past the block's hooks: per node made while the block's pack hook is on top of
-    autograd's hook stack, its saved tensors that are defined and no output registered in the
-    block (pre: x, phi, alpha, bias and its own ht, rstd, h_pre; the combine: x, f, f_bias,
-    h_res, h_post)."""
+    autograd's hook stack, its saved tensors that are defined (pre: x, phi, alpha, bias and
+    its own ht, rstd, h_pre; the combine: x, f, f_bias, h_res, h_post)."""
     from mhc_megatron.kernels import triton_combine, triton_pre
     from mhc_megatron.recompute import manager as rc
 
@@ -594,7 +593,7 @@ def _pack_calls_and_skips(monkeypatch, kind: str) -> tuple:
         top = rc._top_hooks(True)
         if state is None or top is None or top[0] is not state.pack_hook:
             return 0
-        return own + sum(t is not None and state.ranges.lookup(t) is None for t in saved)
+        return own + sum(t is not None for t in saved)
 
     def counted_pre(x, phi, alpha, bias, *args):
         out = pre_native(x, phi, alpha, bias, *args)
@@ -623,10 +622,12 @@ def _pack_calls_and_skips(monkeypatch, kind: str) -> tuple:
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_native_nodes_save_past_the_block_hooks(megatron_single_rank, monkeypatch, kind):
-    """The ops' C++ nodes save a tensor that is no block output without the block's pack hook
-    (it would keep the tensor as it is): the C++ hooks are called exactly that many times
-    fewer than the Python hooks, which see every save, and still make the same placeholders
-    (the streams the nodes save are block outputs), with the same loss and gradients."""
+    """The ops' C++ nodes save every tensor past the block's Python pack hook: one that is no
+    block output as autograd saves it without hooks (the pack hook would keep it as it is), a
+    block output (the streams) with the block's placeholder as C++ saved-tensor hooks. The
+    block's pack hook is called exactly that many times fewer than the Python hooks, which
+    see every save, and the same ops' outputs become placeholders, with the same loss and
+    gradients."""
     skip_without_host_replay()
     _step_blocks(monkeypatch, kind, **_native_nodes(kind))  # the forward recipes recorded
     _use_hooks(monkeypatch, "python")
@@ -642,19 +643,30 @@ def test_native_nodes_save_past_the_block_hooks(megatron_single_rank, monkeypatc
 
 def _replayed_steps(monkeypatch, kind: str, steps: int, between=None) -> tuple:
     """``steps`` model steps of one model with the C++ hooks and the ops' C++ nodes (the
-    Triton backend): per step, the blocks replayed in all and from C++, and every tensor a
-    placeholder was unpacked to (cloned, in unpack order); then the last step's ``(loss,
-    grads, model)``. ``between(step)`` runs before each step."""
+    Triton backend): per step, the blocks replayed in all and from C++, every block's
+    recomputed outputs (cloned, in recompute order), and every tensor a placeholder of the
+    Python hook calls (the input norm's saves; the ops' too where they ran as Python
+    functions) was unpacked to, cloned, with its view and its block's place in that order;
+    then the last step's ``(loss, grads, model)``. ``between(step)`` runs before each step."""
     from mhc_megatron.kernels import host_replay
     from mhc_megatron.recompute import manager as rc
 
     ext = host_replay.extension()
     unpacked: list = []
+    recomputed: dict = {}  # id(block) -> its recomputed outputs (blocks all live till backward)
+    recompute = rc._BlockState.recompute
 
     def recording_unpack(obj):
         out = ext.unpack_saved(obj)
         if isinstance(obj, ext.Placeholder):
-            unpacked.append((obj.view, out.clone()))
+            unpacked.append((id(obj.block), obj.view, out.clone()))
+        return out
+
+    def recording_recompute(self):
+        out = recompute(self)
+        if id(self) not in recomputed:
+            recomputed[id(self)] = [tuple(None if t is None else t.clone() for t in op)
+                                    for op in self.ranges.recomputed_outputs]
         return out
 
     setup_cpu_megatron(seed=7)
@@ -666,16 +678,21 @@ def _replayed_steps(monkeypatch, kind: str, steps: int, between=None) -> tuple:
     per_step = []
     with monkeypatch.context() as patch:
         patch.setattr(rc, "_hooks", lambda: (ext.SavedRanges, recording_unpack))
+        patch.setattr(rc._BlockState, "recompute", recording_recompute)
         for step in range(steps):
             if between is not None:
                 between(step)
             unpacked.clear()
+            recomputed.clear()
             before = manager.blocks_recomputed, manager.blocks_replayed_natively
             model.zero_grad(set_to_none=True)
             loss = lm_loss(model, data)
             loss.backward()
+            order = list(recomputed)
             per_step.append((manager.blocks_recomputed - before[0],
-                             manager.blocks_replayed_natively - before[1], list(unpacked)))
+                             manager.blocks_replayed_natively - before[1],
+                             [(order.index(block), view, t) for block, view, t in unpacked],
+                             list(recomputed.values())))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return per_step, (loss.detach(), grads, model)
 
@@ -683,9 +700,9 @@ def _replayed_steps(monkeypatch, kind: str, steps: int, between=None) -> tuple:
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_native_replay_gives_the_python_replays_bits(megatron_single_rank, monkeypatch, kind):
     """A block's replay from C++ by its ops' replay sites, learned from the Python replay of
-    the step before: from the second step on every block replays from C++, and every
-    placeholder unpacks to the same bits as with the Python replay (the replay from C++ off,
-    the same model and data); a change of the launch plans (their generation; also before
+    the step before: from the second step on every block replays from C++, every recomputed
+    output has the same bits as with the Python replay (the replay from C++ off, the same
+    model and data), and the placeholders unpack to their views of those outputs; a change of the launch plans (their generation; also before
     the first step, so that no earlier test's sites are used) ends the sites, so that step
     replays in Python and teaches them again. The same loss and gradients."""
     skip_without_host_replay()
@@ -701,12 +718,24 @@ def test_native_replay_gives_the_python_replays_bits(megatron_single_rank, monke
     assert blocks >= 2 and all(s[:2] == (blocks, 0) for s in python_steps), python_steps
     assert [s[:2] for s in native_steps] == [(blocks, 0), (blocks, blocks), (blocks, 0),
                                             (blocks, blocks)], [s[:2] for s in native_steps]
-    reference = python_steps[1][2]
-    assert reference
-    for _, _, unpacked in native_steps:
-        assert [v for v, _ in unpacked] == [v for v, _ in reference]
-        for (view, got), (_, want) in zip(unpacked, reference):
-            assert got.dtype == want.dtype and torch.equal(got, want), view
+    reference_outputs = python_steps[1][3]
+    assert len(reference_outputs) == blocks
+    for _, _, unpacked, recomputed in python_steps + native_steps:
+        assert unpacked  # (the input norms' saves of y)
+        for block, (op, index, size, stride, offset), got in unpacked:
+            want = recomputed[block][op][index].as_strided(size, stride, offset)
+            assert got.dtype == want.dtype and torch.equal(got, want), (block, op, index)
+    for _, _, _, recomputed in native_steps:
+        assert len(recomputed) == blocks
+        for block, (got_ops, want_ops) in enumerate(zip(recomputed, reference_outputs)):
+            assert [[t is None for t in op] for op in got_ops] == \
+                [[t is None for t in op] for op in want_ops], block
+            assert any(t is not None for op in got_ops for t in op), block
+            for op, (got, want) in enumerate(zip(got_ops, want_ops)):
+                for got_t, want_t in zip(got, want):
+                    if got_t is not None:
+                        assert got_t.dtype == want_t.dtype and torch.equal(got_t, want_t), \
+                            (block, op)
     _assert_same(python, native)
 
 

@@ -41,11 +41,12 @@ a fused pair) that ran one recorded kernel recipe on them teaches a replay site,
 whose needed ops all have sites replays them as one C++ call, without the ops' Python (the
 same recipes on the same tensors; ``MHC_RECOMPUTE_NATIVE_REPLAY=0`` or
 :func:`set_native_replay` turns it off). With the C++ hooks on top of autograd's hook stack, the
-ops' C++ autograd nodes save each tensor that is no registered output (pre's parameters and
-mappings, the combine's ``f`` and mappings) past the hooks, as autograd saves without hooks
-(the pack hook would keep it as it is; torch's ``SavedTensorDefaultHooks::set_tracing``, the
-switch Dynamo uses, hides the hooks for that one save): no Python call for it when saving
-nor when unpacking. It therefore does not use Megatron's
+ops' C++ autograd nodes save every tensor past the hooks (torch's
+``SavedTensorDefaultHooks::set_tracing``, the switch Dynamo uses, hides them for that one
+save): one that is no registered output (pre's parameters and mappings, the combine's ``f``
+and mappings) as autograd saves without hooks (the pack hook would keep it as it is), a
+registered output (the streams) with the block's placeholder as C++ saved-tensor hooks (what
+the pack hook would make): no Python call for it when saving nor when unpacking. It therefore does not use Megatron's
 ``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8 context is entered,
 op arguments may be any Python values, and outputs that need no gradient are fine (a
 tensor nobody saves is never recomputed).

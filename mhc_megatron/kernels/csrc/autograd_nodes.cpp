@@ -283,7 +283,7 @@ std::vector<at::Tensor> pre_apply(const std::shared_ptr<OpTable>& table, const a
   auto node = make_node<PreBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, phi, alpha, bias));
   // inside an mhc_recompute block only x can be a block output (the block's hooks see it)
-  const BlockOutputs* block = block_outputs_on_top();
+  BlockOutputs* block = block_outputs_on_top();
   node->x_ = save_variable(x, block);
   node->phi_ = save_variable(phi, block);
   node->alpha_ = save_variable(alpha, block);
@@ -318,7 +318,7 @@ at::Tensor combine_apply(const std::shared_ptr<OpTable>& table, const at::Tensor
              table->device);
   auto node = make_node<CombineBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, f, bias, h_res, h_post));
-  const BlockOutputs* block = block_outputs_on_top();  // (see pre_apply)
+  BlockOutputs* block = block_outputs_on_top();  // (see pre_apply)
   node->x_ = save_variable(x, block);
   node->f_ = save_variable(f, block);
   node->f_bias_ = save_variable(bias, block);

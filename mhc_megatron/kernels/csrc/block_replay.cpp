@@ -193,6 +193,7 @@ void SavedRanges::add_outputs(const py::handle& outputs, int64_t op) {
 
 at::Tensor SavedRanges::resolve(const Placeholder& p) {
   if (!recomputed_) {
+    py::gil_scoped_acquire gil;  // (the C++ placeholders unpack without it)
     p.block.attr("recompute")();
     TORCH_CHECK(recomputed_, "mhc_recompute: the block's recompute() gave its ranges no "
                 "outputs (an internal error of mhc_megatron's recompute manager)");

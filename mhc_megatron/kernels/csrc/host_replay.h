@@ -3,8 +3,10 @@
 #pragma once
 
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/extension.h>
 
+#include <memory>
 #include <vector>
 
 namespace mhc {
@@ -38,18 +40,22 @@ void bind_saved_ranges(pybind11::module& m);
 class BlockOutputs {
  public:
   virtual ~BlockOutputs() = default;
-  // Whether `t` is (a view of) a registered output, in that output's storage, still alive.
-  virtual bool holds(const at::Tensor& t) const = 0;
+  // Where `t` is (a view of) a registered output, in that output's storage, still alive, and
+  // the block is: the saved-tensor hooks of its placeholder (what the block's pack hook makes,
+  // in C++), the output's op counted among the packed ones; else nullptr. Needs the GIL.
+  virtual std::unique_ptr<torch::autograd::SavedVariableHooks> placeholder_hooks(
+      const at::Tensor& t) = 0;
 };
 
 // The block whose pack hook is on top of autograd's saved-tensor hooks on this thread, or
 // nullptr (other hooks, none, or a torch that cannot save past them). Needs the GIL.
-const BlockOutputs* block_outputs_on_top();
+BlockOutputs* block_outputs_on_top();
 
-// `t` saved for a node's backward, as SavedVariable(t, false) saves it; where `block`
-// (block_outputs_on_top) is not null and `t` is no output registered in it, without the hooks:
-// the block's pack hook would keep `t` as it is, so autograd saves it as it does without hooks
-// (no Python call when saving, none when unpacking; and autograd's version check on unpack).
-torch::autograd::SavedVariable save_variable(const at::Tensor& t, const BlockOutputs* block);
+// `t` saved for a node's backward, as SavedVariable(t, false) saves it under the hooks on top;
+// where `block` (block_outputs_on_top) is not null, past the hooks: a registered output with
+// the block's placeholder hooks (the placeholder the pack hook would make, with no Python call
+// when saving nor when unpacking), any other tensor as autograd saves it without hooks (the
+// block's pack hook would keep it as it is; autograd's version check on unpack).
+torch::autograd::SavedVariable save_variable(const at::Tensor& t, BlockOutputs* block);
 
 }  // namespace mhc

@@ -17,6 +17,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <optional>
 #include <type_traits>
 
 namespace mhc {
@@ -51,23 +52,57 @@ py::object SavedRanges::lookup(const at::Tensor& t) {
   return r == nullptr ? py::none() : py::object(py::make_tuple(r->op, r->index));
 }
 
+// The placeholder of `t` where it is (a view of) a registered output and the block is alive.
+std::optional<Placeholder> SavedRanges::placeholder(const at::Tensor& t) {
+  const Range* r = find(t);
+  if (r == nullptr) return std::nullopt;
+  py::object block = block_ref_();
+  if (block.is_none()) return std::nullopt;
+  packed_ops_.insert(r->op);
+  return Placeholder{std::move(block), this,
+                     View{r->op, r->index, t.sizes().vec(), t.strides().vec(),
+                          t.storage_offset()}};
+}
+
 py::object SavedRanges::pack(py::handle obj) {
   ++packs_;
   if (!THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
-  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
-  const Range* r = find(t);
-  if (r == nullptr) return py::reinterpret_borrow<py::object>(obj);
-  py::object block = block_ref_();
-  if (block.is_none()) return py::reinterpret_borrow<py::object>(obj);
-  packed_ops_.insert(r->op);
-  return py::cast(Placeholder{std::move(block), this,
-                              View{r->op, r->index, t.sizes().vec(), t.strides().vec(),
-                                   t.storage_offset()}});
+  std::optional<Placeholder> p = placeholder(THPVariable_Unpack(obj.ptr()));
+  if (!p) return py::reinterpret_borrow<py::object>(obj);
+  return py::cast(std::move(*p));
+}
+
+std::unique_ptr<torch::autograd::SavedVariableHooks> SavedRanges::placeholder_hooks(
+    const at::Tensor& t) {
+  std::optional<Placeholder> p = placeholder(t);
+  if (!p) return nullptr;
+  return std::make_unique<PlaceholderHooks>(std::move(*p));
+}
+
+PlaceholderHooks::~PlaceholderHooks() {
+  if (!Py_IsInitialized()) {  // (the interpreter is gone: the block is left as it is)
+    placeholder.block.release();
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  placeholder.block = py::object();
 }
 
 py::list SavedRanges::entries() const {
   py::list out;
   for (const Range& r : ranges_) out.append(py::make_tuple(r.op, r.index, r.storage.expired()));
+  return out;
+}
+
+py::list SavedRanges::recomputed_outputs() const {
+  py::list out;
+  for (const auto& outs : outputs_) {
+    py::tuple op(outs.size());
+    for (size_t i = 0; i < outs.size(); ++i) {
+      op[i] = outs[i].defined() ? py::cast(outs[i]) : py::none();
+    }
+    out.append(std::move(op));
+  }
   return out;
 }
 
@@ -139,11 +174,16 @@ struct HooksSkipped {
 };
 
 template <class Hooks>
-torch::autograd::SavedVariable save_past_block(const at::Tensor& t, const BlockOutputs* block) {
+torch::autograd::SavedVariable save_past_block(const at::Tensor& t, BlockOutputs* block) {
   if constexpr (CanSkipHooks<Hooks>::value) {
-    if (block != nullptr && t.defined() && !block->holds(t)) {
-      HooksSkipped<Hooks> skipped;
-      return torch::autograd::SavedVariable(t, false);
+    if (block != nullptr && t.defined()) {
+      std::unique_ptr<torch::autograd::SavedVariableHooks> hooks = block->placeholder_hooks(t);
+      torch::autograd::SavedVariable saved = [&t] {
+        HooksSkipped<Hooks> skipped;
+        return torch::autograd::SavedVariable(t, false);
+      }();
+      if (hooks) saved.register_hooks(std::move(hooks));
+      return saved;
     }
   }
   return torch::autograd::SavedVariable(t, false);
@@ -151,7 +191,7 @@ torch::autograd::SavedVariable save_past_block(const at::Tensor& t, const BlockO
 
 }  // namespace
 
-const BlockOutputs* block_outputs_on_top() {
+BlockOutputs* block_outputs_on_top() {
   if constexpr (!CanSkipHooks<at::SavedTensorDefaultHooks>::value) {
     return nullptr;
   } else {
@@ -161,11 +201,11 @@ const BlockOutputs* block_outputs_on_top() {
     if (pack == nullptr || !PyMethod_Check(pack)) return nullptr;
     py::handle self = PyMethod_GET_SELF(pack);
     if (!py::isinstance<SavedRanges>(self)) return nullptr;
-    return self.cast<const SavedRanges*>();  // (a SavedRanges is a BlockOutputs)
+    return self.cast<SavedRanges*>();  // (a SavedRanges is a BlockOutputs)
   }
 }
 
-torch::autograd::SavedVariable save_variable(const at::Tensor& t, const BlockOutputs* block) {
+torch::autograd::SavedVariable save_variable(const at::Tensor& t, BlockOutputs* block) {
   return save_past_block<at::SavedTensorDefaultHooks>(t, block);
 }
 
@@ -185,6 +225,8 @@ void bind_saved_ranges(py::module& m) {
            py::arg("autocast"), "replay the needed ops by their sites: (ops, pairs), or None")
       .def("learn", &SavedRanges::learn, "teach an op's (or a pair's) replay site")
       .def("entries", &SavedRanges::entries)
+      .def_property_readonly("recomputed_outputs", &SavedRanges::recomputed_outputs,
+                             "the recomputed outputs, a tuple per op (None: not recomputed)")
       .def_property_readonly("packed_ops", &SavedRanges::packed_ops,
                              "the ops with an output replaced by a placeholder")
       .def_property_readonly("full_lookups", &SavedRanges::full_lookups)

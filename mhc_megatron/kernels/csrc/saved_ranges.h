@@ -6,6 +6,7 @@
 #include "host_replay.h"
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -73,6 +74,17 @@ struct MHC_MODULE_LOCAL Placeholder {
   py::tuple describe() const;
 };
 
+// A placeholder as the saved-tensor hooks of a saved variable (BlockOutputs::placeholder_hooks):
+// what the ops' C++ nodes save for a registered output. Unpacking takes the GIL only where the
+// block is still to be recomputed; releasing takes it to let go of the block.
+struct MHC_MODULE_LOCAL PlaceholderHooks final : torch::autograd::SavedVariableHooks {
+  explicit PlaceholderHooks(Placeholder p) : placeholder(std::move(p)) {}
+  void call_pack_hook(const at::Tensor&) override {}  // (the view is the placeholder's)
+  at::Tensor call_unpack_hook() override { return placeholder.unpack(); }
+  ~PlaceholderHooks() override;
+  Placeholder placeholder;
+};
+
 class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
  public:
   // block_ref: a weak reference to the block (no cycle block -> ranges -> block), whose
@@ -88,8 +100,8 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
   // tensors without storage are in none.
   const Range* find(const at::Tensor& t);
 
-  // Whether `t` is (a view of) a registered output: what the pack hook looks up, uncounted.
-  bool holds(const at::Tensor& t) const override { return checked(t, locate(t)) != nullptr; }
+  std::unique_ptr<torch::autograd::SavedVariableHooks> placeholder_hooks(
+      const at::Tensor& t) override;
 
   // Record op `fn(*args, **kwargs)` (kwargs a dict or None), which returned `outputs`, as the
   // next op (its index: the ops recorded before it) (manager.py's _BlockState.record): each
@@ -124,7 +136,7 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
   py::object pack(py::handle obj);
 
   // The tensor a placeholder stands for: its view of the recomputed output (the block
-  // recomputed first, once).
+  // recomputed first, once, under the GIL).
   at::Tensor resolve(const Placeholder& p);
 
   // The block's recomputed outputs, from its Python replay: {op: tuple of outputs}.
@@ -152,6 +164,10 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
   // (op, index, expired) of every range held, in address order.
   py::list entries() const;
 
+  // The recomputed outputs, a tuple per op (None for an output not recomputed; empty before the
+  // block is recomputed).
+  py::list recomputed_outputs() const;
+
   py::set packed_ops() const;
 
   int64_t full_lookups() const { return full_lookups_; }
@@ -159,6 +175,7 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
 
  private:
   void add_whole(const at::Tensor& t, int64_t op, int64_t index);
+  std::optional<Placeholder> placeholder(const at::Tensor& t);
   static py::tuple int_tuple(c10::IntArrayRef values);
   // The range `t`'s data pointer falls in, or nullptr (one binary search). Tensor subclasses
   // (a Python dispatch key) and tensors without storage are in none.
