@@ -331,6 +331,59 @@ def test_hooks_turn_off_after_the_first_linear_without_a_norm_module(megatron_si
         assert seen == {"first": [True] * 4, "past": [not narrow] * 4}, (narrow, seen)
 
 
+@pytest.mark.parametrize("reader", ["rmsnorm_bf16", "layernorm_fp32", "no_norm_module"])
+def test_hooks_skip_a_reader_seen_not_to_save_y(megatron_single_rank, monkeypatch, reader):
+    """The hooks are on over the module that reads ``y`` in its first call; where that call
+    saved no ``y`` itself (Megatron's torch RMSNorm on a bf16 ``y`` saves the fp32 copy it
+    makes) they are off over it from the next call on, and stay on where it did (torch's
+    LayerNorm on an fp32 ``y``; the first linear where the layer has no norm module). Each
+    step makes the same placeholders, loss and gradients as the hooks on over each whole
+    sublayer."""
+    from mhc_megatron.recompute import manager as rc
+
+    # (the Triton ops: the reference ops save fp32 copies of a bf16 x, not x)
+    extra = dict(normalization="RMSNorm", params_dtype=torch.bfloat16, bf16=True,
+                 mhc_kernel_backend="triton") if reader == "rmsnorm_bf16" else {}
+    family = "no_norm_module" if reader == "no_norm_module" else "local"
+    saves_y = reader != "rmsnorm_bf16"
+    init = rc._BlockState.__init__
+    states = []
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        states.append(self)
+
+    monkeypatch.setattr(rc._BlockState, "__init__", spy)
+    runs = {}
+    for narrow in (False, True):
+        monkeypatch.setattr(rc, "_NARROW_HOOKS", narrow)
+        setup_cpu_megatron(seed=1)
+        cfg = tiny_config(num_layers=2, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
+        model = build_gpt(cfg, DEV, *_spec_of(cfg, family))
+        layers = model.decoder.layers
+        readers = [("reader", m) for layer in layers for m in (
+            (layer.input_layernorm, layer.pre_mlp_layernorm) if family == "local"
+            else (layer.self_attention.linear_qkv, layer.mlp.linear_fc1))]
+        steps = []
+        for _ in range(2):
+            states.clear()
+            model.zero_grad(set_to_none=True)
+            seen = _hooks_on_as_they_begin(model, rc._top_hooks, readers)["reader"]
+            blocks = [(st.block_id, sorted(st.packed_ops)) for st in states]
+            steps.append((seen, blocks, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        learned = [v for layer in layers for bda in (layer.self_attn_bda, layer.mlp_bda)
+                   for v in bda.reader_saves.values()]
+        runs[narrow] = steps, learned
+    (whole, _), (narrow, learned) = runs[False], runs[True]
+    assert [s[0] for s in whole] == [[True] * 4] * 2
+    assert [s[0] for s in narrow] == [[True] * 4, [saves_y] * 4]
+    assert learned == [saves_y] * 4
+    for (_, whole_blocks, whole_grads), (_, narrow_blocks, narrow_grads) in zip(whole, narrow):
+        assert narrow_blocks == whole_blocks and all(b[1] for b in whole_blocks)
+        for name, grad in whole_grads.items():
+            assert torch.equal(narrow_grads[name], grad), name
+
+
 def test_hooks_are_off_in_the_sublayer_body(megatron_single_rank, monkeypatch):
     """Inside a recompute block the hooks are off in the attention and MLP modules (their
     input norm has saved ``y``), and on there with Megatron's ``layernorm`` selective recompute

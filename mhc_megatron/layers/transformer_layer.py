@@ -106,6 +106,9 @@ class _StreamCombine:
     def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
         self.hyper_connection = hyper_connection
         self.offload_group = offload_group
+        # with a watched reader of y: whether its call saves y, learned per key
+        # (SublayerSaving.pre_done)
+        self.reader_saves: dict | None = None
         self._armed: tuple[Tensor, StreamMappings, StreamOffload | None,
                            SublayerSaving | None] | None = None
 
@@ -118,15 +121,18 @@ class _StreamCombine:
         and saves the aggregate ``y`` has returned (:func:`input_reader` of ``norm``, the
         sublayer's input norm, ``body``, its attention / MLP / mixer, and ``checkpointed``,
         Megatron's ``layernorm`` recompute of that norm): the rest of the body then saves
-        without them. Where there is no such module the hooks stay on over the sublayer."""
+        without them. Where there is no such module the hooks stay on over the sublayer. A
+        reader seen not to save ``y`` itself runs without them too
+        (:meth:`~mhc_megatron.recompute.manager.SublayerSaving.pre_done`)."""
         reader = input_reader(norm, body, checkpointed)
         if reader is not None:
             reader.register_forward_hook(self.input_read)
+            self.reader_saves = {}
 
     def input_read(self, module, args, output) -> None:
         armed = self._armed
         if armed is not None and armed[3] is not None:
-            armed[3].off()
+            armed[3].reader_returned()
 
     def disarm(self) -> None:
         self._armed = None
@@ -397,6 +403,8 @@ def run_sublayer(parent_method, hyper_connection: HyperConnectionModule,
             with offload.deferring():
                 y, mappings = hyper_connection.pre(streams)
             y = offload.start(y)
+        if saving is not None:
+            saving.pre_done(combine.reader_saves, y.dtype)
         combine.arm(streams, mappings, offload, saving)
         return parent_method(y, *args, **kwargs)
     finally:

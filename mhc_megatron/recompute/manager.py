@@ -23,7 +23,9 @@ the same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching
 tensors to recorded op outputs by their storage. Only three kinds of call save such outputs:
 pre and the combine (the streams) and the module of the sublayer that reads ``y``. The hooks
 are therefore on only around those (:class:`SublayerSaving`): from pre until the module that
-alone reads ``y`` has returned, and around the combine; the rest of the sublayer's body (its
+alone reads ``y`` has returned (only over pre where that module's call was seen to save no
+``y`` itself: Megatron's torch RMSNorm on a 16-bit ``y`` saves the fp32 copy it makes), and
+around the combine; the rest of the sublayer's body (its
 linears, attention, an MoE layer's hundreds of saved tensors) saves without them, so without
 a Python call per saved tensor. That module is the sublayer's input norm, or, where
 Transformer Engine fuses the norm into the first linear (the layer's norm is ``IdentityOp``),
@@ -195,6 +197,11 @@ class _AddressRanges:
         op = len(self._ops)
         self._ops.append((fn, tuple(packed), kwargs, deps))
         self.add_outputs(outputs, op)
+
+    @property
+    def recorded(self) -> int:
+        """How many ops are recorded."""
+        return len(self._ops)
 
     def recorded_ops(self, view_type=None) -> list[tuple[Callable, tuple, dict, set[int]]]:
         """The recorded ops, ``(fn, packed args, kwargs, deps)`` each (``view_type``: the C++
@@ -530,10 +537,11 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 
 class SublayerSaving:
     """The active block's saved-tensor hooks over one residual sublayer: on from its
-    creation (before pre), off once ``y``'s reader has saved it (:meth:`off`, called by the
-    forward hook of the sublayer's input norm or fused first linear), on around the combine
-    (:meth:`on` / :meth:`off`), off at :meth:`close` (the end of the sublayer, also on an
-    exception).
+    creation (before pre), off once ``y``'s reader has saved it (:meth:`reader_returned`,
+    called by the forward hook of the sublayer's input norm or fused first linear), or right
+    after pre where that reader was seen to save no ``y`` itself (:meth:`pre_done`), on
+    around the combine (:meth:`on` / :meth:`off`), off at :meth:`close` (the end of the
+    sublayer, also on an exception).
 
     With :func:`set_narrow_hooks` off the hooks stay on until :meth:`close`. Hooks another
     context pushed on top of these and has not popped yet are never popped
@@ -541,7 +549,7 @@ class SublayerSaving:
     reader had been found), and :meth:`close` raises, since that context left its hooks on
     past the sublayer."""
 
-    __slots__ = ("_pack", "_unpack", "_on", "_narrow")
+    __slots__ = ("_pack", "_unpack", "_on", "_narrow", "_block", "_watching")
 
     def __init__(self, block: _BlockState):
         self._pack = block.pack_hook
@@ -549,7 +557,39 @@ class SublayerSaving:
         self._on = False
         # else on until close (set_narrow_hooks, or a torch that cannot show its stack's top)
         self._narrow = _NARROW_HOOKS and _top_hooks is not None
+        self._block = block
+        self._watching = None  # (reader_saves, key, y's op) while the reader's saves are watched
         self.on()
+
+    def pre_done(self, reader_saves: dict | None, dtype: torch.dtype) -> None:
+        """Pre has returned and recorded ``y`` (of ``dtype``), the block's last op. The hooks
+        are on over the sublayer's reader of ``y`` only to turn its saves of ``y`` into
+        placeholders; ``reader_saves`` (None: no reader is watched) says, per ``(dtype, the
+        block's autocast state)``, whether the reader's call made any. Where it made none
+        (Megatron's torch RMSNorm on a 16-bit ``y`` saves the fp32 copy it makes, not ``y``),
+        the hooks go off now: the reader's saves then cost no Python call each way, and its
+        saved tensors are the same. Not known yet: this call is watched
+        (:meth:`reader_returned`). A reader that would save ``y`` where it was seen not to
+        (its behaviour changed under the same key) keeps ``y`` stored: more memory, the
+        same results."""
+        if reader_saves is None or not self._narrow:
+            return
+        key = (dtype, self._block.autocast)
+        saves = reader_saves.get(key)
+        if saves is False:
+            self.off()
+        elif saves is None:
+            self._watching = (reader_saves, key, self._block.ranges.recorded - 1)
+
+    def reader_returned(self) -> None:
+        """The sublayer's reader of ``y`` has returned: the hooks off; where its call was
+        watched (:meth:`pre_done`), whether it saved ``y`` (a placeholder of pre's op) noted."""
+        watching = self._watching
+        if watching is not None:
+            self._watching = None
+            reader_saves, key, op = watching
+            reader_saves[key] = op in self._block.packed_ops
+        self.off()
 
     def on(self) -> None:
         if not self._on:

@@ -229,6 +229,7 @@ void bind_saved_ranges(py::module& m) {
                              "the recomputed outputs, a tuple per op (None: not recomputed)")
       .def_property_readonly("packed_ops", &SavedRanges::packed_ops,
                              "the ops with an output replaced by a placeholder")
+      .def_property_readonly("recorded", &SavedRanges::recorded, "how many ops are recorded")
       .def_property_readonly("full_lookups", &SavedRanges::full_lookups)
       .def_property_readonly("packs", &SavedRanges::packs, "the pack hook's calls");
   py::class_<Placeholder>(m, "Placeholder")

@@ -170,6 +170,7 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
 
   py::set packed_ops() const;
 
+  int64_t recorded() const { return static_cast<int64_t>(ops_.size()); }
   int64_t full_lookups() const { return full_lookups_; }
   int64_t packs() const { return packs_; }
 
