@@ -336,9 +336,9 @@ def test_hooks_skip_a_reader_seen_not_to_save_y(megatron_single_rank, monkeypatc
     """The hooks are on over the module that reads ``y`` in its first call; where that call
     saved no ``y`` itself (Megatron's torch RMSNorm on a bf16 ``y`` saves the fp32 copy it
     makes) they are off over it from the next call on, and stay on where it did (torch's
-    LayerNorm on an fp32 ``y``; the first linear where the layer has no norm module). Each
-    step makes the same placeholders, loss and gradients as the hooks on over each whole
-    sublayer."""
+    LayerNorm on an fp32 ``y``; the first linear where the layer has no norm module), and the
+    former runs without the layer's forward hook. Each step makes the same placeholders, loss
+    and gradients as the hooks on over each whole sublayer."""
     from mhc_megatron.recompute import manager as rc
 
     # (the Triton ops: the reference ops save fp32 copies of a bf16 x, not x)
@@ -372,12 +372,14 @@ def test_hooks_skip_a_reader_seen_not_to_save_y(megatron_single_rank, monkeypatc
             blocks = [(st.block_id, sorted(st.packed_ops)) for st in states]
             steps.append((seen, blocks, {n: p.grad.clone() for n, p in model.named_parameters()}))
         learned = [v for layer in layers for bda in (layer.self_attn_bda, layer.mlp_bda)
-                   for v in bda.reader_saves.values()]
-        runs[narrow] = steps, learned
-    (whole, _), (narrow, learned) = runs[False], runs[True]
+                   for v in bda.reader.saves.values()]
+        hooked = [bool(m._forward_hooks) for _, m in readers]
+        runs[narrow] = steps, learned, hooked
+    (whole, _, _), (narrow, learned, hooked) = runs[False], runs[True]
     assert [s[0] for s in whole] == [[True] * 4] * 2
     assert [s[0] for s in narrow] == [[True] * 4, [saves_y] * 4]
     assert learned == [saves_y] * 4
+    assert hooked == [saves_y] * 4  # (a reader that saves no y runs without its forward hook)
     for (_, whole_blocks, whole_grads), (_, narrow_blocks, narrow_grads) in zip(whole, narrow):
         assert narrow_blocks == whole_blocks and all(b[1] for b in whole_blocks)
         for name, grad in whole_grads.items():

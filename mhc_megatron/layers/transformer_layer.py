@@ -57,7 +57,12 @@ from mhc_megatron.layers.streams import (
     broadcast_streams,
     expand_streams,
 )
-from mhc_megatron.recompute.manager import SublayerSaving, manager_for, sublayer_saving
+from mhc_megatron.recompute.manager import (
+    ReaderWatch,
+    SublayerSaving,
+    manager_for,
+    sublayer_saving,
+)
 
 logger = logging.getLogger(__name__)
 _said_mhc_off = False
@@ -106,9 +111,8 @@ class _StreamCombine:
     def __init__(self, hyper_connection: HyperConnectionModule, offload_group: str | None = None):
         self.hyper_connection = hyper_connection
         self.offload_group = offload_group
-        # with a watched reader of y: whether its call saves y, learned per key
-        # (SublayerSaving.pre_done)
-        self.reader_saves: dict | None = None
+        # the sublayer's reader of y, watched (SublayerSaving.pre_done), or None
+        self.reader: ReaderWatch | None = None
         self._armed: tuple[Tensor, StreamMappings, StreamOffload | None,
                            SublayerSaving | None] | None = None
 
@@ -122,12 +126,11 @@ class _StreamCombine:
         sublayer's input norm, ``body``, its attention / MLP / mixer, and ``checkpointed``,
         Megatron's ``layernorm`` recompute of that norm): the rest of the body then saves
         without them. Where there is no such module the hooks stay on over the sublayer. A
-        reader seen not to save ``y`` itself runs without them too
+        reader seen not to save ``y`` itself runs without them, and without this forward hook
         (:meth:`~mhc_megatron.recompute.manager.SublayerSaving.pre_done`)."""
         reader = input_reader(norm, body, checkpointed)
         if reader is not None:
-            reader.register_forward_hook(self.input_read)
-            self.reader_saves = {}
+            self.reader = ReaderWatch(reader, self.input_read)
 
     def input_read(self, module, args, output) -> None:
         armed = self._armed
@@ -404,7 +407,7 @@ def run_sublayer(parent_method, hyper_connection: HyperConnectionModule,
                 y, mappings = hyper_connection.pre(streams)
             y = offload.start(y)
         if saving is not None:
-            saving.pre_done(combine.reader_saves, y.dtype)
+            saving.pre_done(combine.reader, y.dtype)
         combine.arm(streams, mappings, offload, saving)
         return parent_method(y, *args, **kwargs)
     finally:

@@ -535,6 +535,31 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
+class ReaderWatch:
+    """A sublayer's reader of ``y`` (its input norm or fused first linear) as
+    :class:`SublayerSaving` watches it: ``saves``, per ``(dtype of y, autocast state)``, whether
+    its call saved ``y`` (learned from its first call under that key), and ``hook``, its forward
+    hook (the layer's, which tells the sublayer's :class:`SublayerSaving` that the reader
+    returned), registered only while it is needed: a call to watch or a reader that saves
+    ``y``. (A module with a forward hook takes ``nn.Module``'s slower call path.)"""
+
+    __slots__ = ("saves", "_module", "_hook", "_handle")
+
+    def __init__(self, module: torch.nn.Module, hook: Callable):
+        self.saves: dict = {}
+        self._module = module
+        self._hook = hook
+        self._handle = module.register_forward_hook(hook)
+
+    def hooked(self, on: bool) -> None:
+        """The forward hook registered (``on``) or removed."""
+        if on and self._handle is None:
+            self._handle = self._module.register_forward_hook(self._hook)
+        elif not on and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 class SublayerSaving:
     """The active block's saved-tensor hooks over one residual sublayer: on from its
     creation (before pre), off once ``y``'s reader has saved it (:meth:`reader_returned`,
@@ -558,28 +583,31 @@ class SublayerSaving:
         # else on until close (set_narrow_hooks, or a torch that cannot show its stack's top)
         self._narrow = _NARROW_HOOKS and _top_hooks is not None
         self._block = block
-        self._watching = None  # (reader_saves, key, y's op) while the reader's saves are watched
+        self._watching = None  # (reader.saves, key, y's op) while the reader's saves are watched
         self.on()
 
-    def pre_done(self, reader_saves: dict | None, dtype: torch.dtype) -> None:
+    def pre_done(self, reader: ReaderWatch | None, dtype: torch.dtype) -> None:
         """Pre has returned and recorded ``y`` (of ``dtype``), the block's last op. The hooks
-        are on over the sublayer's reader of ``y`` only to turn its saves of ``y`` into
-        placeholders; ``reader_saves`` (None: no reader is watched) says, per ``(dtype, the
-        block's autocast state)``, whether the reader's call made any. Where it made none
-        (Megatron's torch RMSNorm on a 16-bit ``y`` saves the fp32 copy it makes, not ``y``),
-        the hooks go off now: the reader's saves then cost no Python call each way, and its
-        saved tensors are the same. Not known yet: this call is watched
-        (:meth:`reader_returned`). A reader that would save ``y`` where it was seen not to
-        (its behaviour changed under the same key) keeps ``y`` stored: more memory, the
-        same results."""
-        if reader_saves is None or not self._narrow:
+        are on over the sublayer's ``reader`` of ``y`` (None: none is watched) only to turn
+        its saves of ``y`` into placeholders; ``reader.saves`` says, per ``(dtype, the
+        block's autocast state)``, whether its call made any. Where it made none (Megatron's
+        torch RMSNorm on a 16-bit ``y`` saves the fp32 copy it makes, not ``y``), the hooks go
+        off now, and the reader runs without its forward hook: its saves then cost no Python
+        call each way, and its saved tensors are the same. Not known yet: this call is
+        watched (:meth:`reader_returned`). A reader that would save ``y`` where it was seen
+        not to (its behaviour changed under the same key) keeps ``y`` stored: more memory,
+        the same results."""
+        if reader is None or not self._narrow:
             return
         key = (dtype, self._block.autocast)
-        saves = reader_saves.get(key)
+        saves = reader.saves.get(key)
         if saves is False:
+            reader.hooked(False)
             self.off()
-        elif saves is None:
-            self._watching = (reader_saves, key, self._block.ranges.recorded - 1)
+            return
+        reader.hooked(True)
+        if saves is None:
+            self._watching = (reader.saves, key, self._block.ranges.recorded - 1)
 
     def reader_returned(self) -> None:
         """The sublayer's reader of ``y`` has returned: the hooks off; where its call was
@@ -587,8 +615,8 @@ class SublayerSaving:
         watching = self._watching
         if watching is not None:
             self._watching = None
-            reader_saves, key, op = watching
-            reader_saves[key] = op in self._block.packed_ops
+            saves, key, op = watching
+            saves[key] = op in self._block.packed_ops
         self.off()
 
     def on(self) -> None:
