@@ -757,9 +757,10 @@ def test_native_replay_gives_the_python_replays_bits(megatron_single_rank, monke
     """A block's replay from C++ by its ops' replay sites, learned from the Python replay of
     the step before: from the second step on every block replays from C++, every recomputed
     output has the same bits as with the Python replay (the replay from C++ off, the same
-    model and data), and the placeholders unpack to their views of those outputs; a change of the launch plans (their generation; also before
-    the first step, so that no earlier test's sites are used) ends the sites, so that step
-    replays in Python and teaches them again. The same loss and gradients."""
+    model and data), and the placeholders unpack to their views of those outputs; a change of
+    the launch plans (their generation; also before the first step, so that no earlier test's
+    sites are used) ends the sites, so that step replays in Python and teaches them again.
+    The same loss and gradients."""
     skip_without_host_replay()
     from mhc_megatron.kernels.triton_common import PLANS
     from mhc_megatron.recompute import manager as rc

@@ -48,10 +48,10 @@ ops' C++ autograd nodes save every tensor past the hooks (torch's
 save): one that is no registered output (pre's parameters and mappings, the combine's ``f``
 and mappings) as autograd saves without hooks (the pack hook would keep it as it is), a
 registered output (the streams) with the block's placeholder as C++ saved-tensor hooks (what
-the pack hook would make): no Python call for it when saving nor when unpacking. It therefore does not use Megatron's
-``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8 context is entered,
-op arguments may be any Python values, and outputs that need no gradient are fine (a
-tensor nobody saves is never recomputed).
+the pack hook would make): no Python call for it when saving nor when unpacking. It therefore
+does not use Megatron's ``CheckpointWithoutOutput`` and has none of its pitfalls: no fp8
+context is entered, op arguments may be any Python values, and outputs that need no gradient
+are fine (a tensor nobody saves is never recomputed).
 
 Numerics: the ops are deterministic (Triton kernels: bitwise; reference: same op
 sequence), and the recompute replays them on the same inputs, so gradients with and
@@ -124,9 +124,9 @@ class _AddressRanges:
     host replay extension is not built; else its ``SavedRanges``, the same decisions in C++):
     ``add`` registers an output (``add_outputs``: those of a recorded op that own their
     storage), ``lookup`` finds the output a tensor is (a view of), ``record`` records an op
-    (its arguments packed, its outputs registered), ``recorded_ops`` lists them, ``pack`` is the block's saved-tensor pack hook (a
-    :class:`_Placeholder` for a hit, whose op joins ``packed_ops``), ``entries`` lists
-    ``(op, index, expired)``.
+    (its arguments packed, its outputs registered), ``recorded_ops`` lists them, ``pack`` is
+    the block's saved-tensor pack hook (a :class:`_Placeholder` for a hit, whose op joins
+    ``packed_ops``), ``entries`` lists ``(op, index, expired)``.
 
     The address ranges are sorted by start: a saved tensor whose data pointer falls in none of
     them (most of a sublayer's, e.g. an MoE layer's hundreds) is rejected with one bisect,
@@ -538,10 +538,10 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 class ReaderWatch:
     """A sublayer's reader of ``y`` (its input norm or fused first linear) as
     :class:`SublayerSaving` watches it: ``saves``, per ``(dtype of y, autocast state)``, whether
-    its call saved ``y`` (learned from its first call under that key), and ``hook``, its forward
-    hook (the layer's, which tells the sublayer's :class:`SublayerSaving` that the reader
-    returned), registered only while it is needed: a call to watch or a reader that saves
-    ``y``. (A module with a forward hook takes ``nn.Module``'s slower call path.)"""
+    its call saved ``y`` (learned from its first call under that key), and the layer's forward
+    hook ``hook`` on ``module`` (it tells the sublayer's :class:`SublayerSaving` that the
+    reader returned), registered only while it is needed: a call to watch or a reader that
+    saves ``y``. (A module with a forward hook takes ``nn.Module``'s slower call path.)"""
 
     __slots__ = ("saves", "_module", "_hook", "_handle")
 
