@@ -12,8 +12,9 @@ unpacks a placeholder of a block, one hook recomputes the block's mHC ops in for
 (each op's inputs are the block's input streams, already-recomputed outputs, and what is
 kept anyway: sublayer outputs ``f`` after dropout, parameters) and hands out the recomputed
 tensors. What stays stored per block: its input streams, plus per sublayer the sublayer
-output ``f`` (which the combine's backward needs in any case) and pre's per-token mappings (``h_pre``, ``h_post``, ``h_res``:
-``2n + n^2`` fp32 values a token, 1/340 of the streams at n=4, C=4096 in bf16), so that the
+output ``f`` (which the combine's backward needs in any case) and pre's per-token mappings
+(``h_pre``, ``h_post``, ``h_res``: ``2n + n^2`` fp32 values a token, 1/340 of the streams at
+n=4, C=4096 in bf16), so that the
 replay of pre is its aggregate alone, not the projection over the streams and Sinkhorn. The
 sublayers (attention, MLP/MoE) are not recomputed here; Megatron's own selective recompute
 can still run inside them.
