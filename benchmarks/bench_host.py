@@ -63,6 +63,9 @@ so wall time is host time:
   step timed around the pieces of its manager (forward: saving scopes, records, placeholders;
   backward: the placeholders' unpacks and the block replays), per sublayer, beside its
   paired steps' growth over mHC's without recompute;
+* ``--sublayer-split``: where mHC's forward host time goes in the dense model's step: the
+  baseline's and mHC's steps interleaved, timed around Megatron's sublayer method, the whole
+  sublayer as mHC runs it, pre and the combine, per sublayer;
 * ``--recompute-phases``: ``mhc_recompute``'s host time in the forward and in the backward
   apart, over mHC's without recompute, and with its parts switched off in turn (the blocks'
   saved-tensor hooks: no placeholders, no replays; then the records too: the block scopes
@@ -638,6 +641,78 @@ def breakdown_rows(args) -> list[str]:
     return lines
 
 
+class _PieceTimers:
+    """Host time spent in functions inside a model's step: :meth:`wrap` replaces
+    ``owner.attribute`` (and the same function held by other owners) with a call that adds its
+    time and a call to ``spans[label][run]`` while ``run`` names the step being timed
+    (:meth:`timing`; None: not timing); :meth:`restore` puts the functions back."""
+
+    def __init__(self):
+        self.spans: dict[str, dict[str, list]] = {}
+        self.run: str | None = None
+        self._saved: list = []
+
+    def timed(self, fn, label: str):
+        spans = self.spans.setdefault(label, {})
+
+        def call(*a, **k):
+            run = self.run
+            if run is None:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cell = spans.setdefault(run, [0.0, 0])
+                cell[0] += time.perf_counter() - t0
+                cell[1] += 1
+        return call
+
+    def replace(self, owner, attr: str, value) -> None:
+        self._saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def wrap(self, label: str, owner, attr: str, others=()) -> None:
+        timed = self.timed(getattr(owner, attr), label)
+        for o in (owner, *others):
+            self.replace(o, attr, timed)
+
+    def timing(self, run: str, step):
+        """``step`` with its pieces timed under ``run``."""
+        def timed_step():
+            self.run = run
+            try:
+                step()
+            finally:
+                self.run = None
+        return timed_step
+
+    def reset(self) -> None:
+        for cells in self.spans.values():
+            cells.clear()
+
+    def restore(self) -> None:
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+        self._saved.clear()
+
+    def us_a_sublayer(self, label: str, run: str, steps: int, sublayers: int) -> tuple:
+        total, calls = self.spans[label].get(run, (0.0, 0))
+        return 1e6 * total / steps / sublayers, calls / steps / sublayers
+
+
+def _timed_paired_steps(args, steps: dict, timers: _PieceTimers) -> tuple[dict, int]:
+    """Warm-up steps, then :func:`paired_steps` of ``steps`` (their pieces timed only there):
+    ``(times, steps each)``."""
+    for step in steps.values():  # compiles, records, allocates the grads
+        for _ in range(WARMUP):
+            step()
+    timers.reset()
+    count = 10 * args.rounds
+    with gc_paused():
+        return paired_steps(steps, count), count
+
+
 def recompute_split_rows(args) -> list[str]:
     """``--recompute-split``: where ``mhc_recompute``'s host time goes in the dense model's
     step. The mHC model with and without recompute, their steps interleaved one by one
@@ -653,78 +728,87 @@ def recompute_split_rows(args) -> list[str]:
     steps = {name: make_step(build(shape, "local", True, recompute, DEVICE)[0], shape, "local",
                              DEVICE) for name, recompute in (("mHC", False),
                                                              ("mHC + recompute", True))}
-    spans: dict[str, list] = {}
-    timing = [False]  # on in the recompute's steps only (the mHC model calls some pieces too)
-    pieces = (  # (name, owner, attribute, other owners holding the same function); an
-        #         empty name: timed in the row of the name above it
-        ("forward: SublayerSaving (hooks pushed)", rm, "sublayer_saving", (transformer_layer,)),
-        ("forward: hooks on / off / close", rm.SublayerSaving, "on", ()),
-        ("", rm.SublayerSaving, "off", ()),
-        ("", rm.SublayerSaving, "close", ()),
-        ("forward: records of pre's aggregate and the combine", rm, "record_as",
-         (hyper_connection,)),
-        ("backward: the saved tensors' unpack hook (with the block replays)", None,
-         "unpack hook", ()),
-        ("backward: the block replays alone", rm._BlockState, "recompute", ()),
-    )
-    saved = []
-    name = ""
-
-    def timer(fn, cell):
-        def timed(*a, **k):
-            if not timing[0]:
-                return fn(*a, **k)
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                cell[0] += time.perf_counter() - t0
-                cell[1] += 1
-        return timed
-
-    for label, owner, attr, others in pieces:
-        name = label or name
-        cell = spans.setdefault(name, [0.0, 0])
-        if owner is None:  # the blocks' unpack hook (C++ or Python), timed as _hooks hands it out
-            def timed_hooks(_hooks=rm._hooks, _cell=cell):
-                ranges, unpack = _hooks()
-                return ranges, timer(unpack, _cell)
-
-            saved.append((rm, "_hooks", rm._hooks))
-            rm._hooks = timed_hooks
-            continue
-        timed = timer(getattr(owner, attr), cell)
-        for o in (owner, *others):
-            saved.append((o, attr, getattr(o, attr)))
-            setattr(o, attr, timed)
-    recompute_step = steps["mHC + recompute"]
-
-    def timed_step():  # (backward returns once autograd's thread has run the replays)
-        timing[0] = True
-        try:
-            recompute_step()
-        finally:
-            timing[0] = False
-
-    steps["mHC + recompute"] = timed_step
+    timers = _PieceTimers()
+    run = "mHC + recompute"  # (timed in the recompute's steps only: mHC's calls some pieces)
+    unpack = "backward: the saved tensors' unpack hook (with the block replays)"
+    labels = ["forward: SublayerSaving (hooks pushed)", "forward: hooks on / off / close",
+              "forward: records of pre's aggregate and the combine", unpack,
+              "backward: the block replays alone"]
     try:
-        for step in steps.values():  # compiles, records, allocates the grads
-            for _ in range(WARMUP):
-                step()
-        for cell in spans.values():
-            cell[:] = [0.0, 0]
-        count = 10 * args.rounds
-        with gc_paused():
-            times = paired_steps(steps, count)
+        timers.wrap(labels[0], rm, "sublayer_saving", (transformer_layer,))
+        for attr in ("on", "off", "close"):
+            timers.wrap(labels[1], rm.SublayerSaving, attr)
+        timers.wrap(labels[2], rm, "record_as", (hyper_connection,))
+
+        def timed_hooks(_hooks=rm._hooks):  # the blocks' unpack hook, as _hooks hands it out
+            ranges, unpack_hook = _hooks()
+            return ranges, timers.timed(unpack_hook, unpack)
+
+        timers.replace(rm, "_hooks", timed_hooks)
+        timers.wrap(labels[4], rm._BlockState, "recompute")
+        # (backward returns once autograd's thread has run the replays)
+        steps[run] = timers.timing(run, steps[run])
+        times, count = _timed_paired_steps(args, steps, timers)
     finally:
-        for o, attr, fn in reversed(saved):
-            setattr(o, attr, fn)
+        timers.restore()
     lines = [f"| recompute's host time, dense model, local specs ({count} steps) | us a "
              "sublayer | calls a sublayer |", "|---|---|---|"]
-    for name, (total, calls) in spans.items():
-        lines.append(f"| {name} | {1e6 * total / count / sub:.1f} | {calls / count / sub:.1f} |")
+    for label in labels:
+        us, calls = timers.us_a_sublayer(label, run, count, sub)
+        lines.append(f"| {label} | {us:.1f} | {calls:.1f} |")
     lines.append(f"| mHC + recompute's step over mHC's (median of step pairs, interquartile "
-                 f"range) | {paired_growth(times['mHC + recompute'], times['mHC'], sub)} | |")
+                 f"range) | {paired_growth(times[run], times['mHC'], sub)} | |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def sublayer_split_rows(args) -> list[str]:
+    """``--sublayer-split``: where mHC's forward host time goes in the dense model's step (no
+    recompute). The baseline's and mHC's steps interleaved one by one (:func:`paired_steps`),
+    each timed around the pieces of its sublayers' forward: Megatron's sublayer method
+    (``TransformerLayer._forward_attention`` / ``_forward_mlp``: the input norm, the attention
+    or MLP, and the bias-dropout-add slot, which mHC's combine fills), and in mHC's steps also
+    the whole sublayer as mHC runs it (``run_sublayer``: pre, then Megatron's method), pre (the
+    module's call) and the combine (the slot's call); per sublayer, beside the paired steps'
+    growth. mHC's own forward host time a sublayer is the whole sublayer minus the baseline's
+    Megatron method, the layer code's part of it what pre and the combine leave."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mhc_megatron.layers import hyper_connection, transformer_layer
+
+    shape = _dense_shape(args)
+    sub = 2 * shape["layers"]
+    steps = {name: make_step(build(shape, "local", mhc, False, DEVICE)[0], shape, "local",
+                             DEVICE) for name, mhc in (("baseline", False), ("mHC", True))}
+    timers = _PieceTimers()
+    megatron = "forward: Megatron's sublayer method (norm, body, bias-dropout-add slot)"
+    whole = "forward: the whole sublayer as mHC runs it (run_sublayer)"
+    pre = "forward: pre (the module's call)"
+    combine = "forward: the combine (the bias-dropout-add slot's call)"
+    try:
+        for attr in ("_forward_attention", "_forward_mlp"):
+            timers.wrap(megatron, TransformerLayer, attr)
+        timers.wrap(whole, transformer_layer, "run_sublayer")
+        timers.wrap(pre, hyper_connection.HyperConnectionModule, "pre")
+        timers.wrap(combine, transformer_layer._StreamCombine, "_combine")
+        steps = {name: timers.timing(name, step) for name, step in steps.items()}
+        times, count = _timed_paired_steps(args, steps, timers)
+    finally:
+        timers.restore()
+    lines = [f"| forward host time, dense model, local specs ({count} steps each), us a "
+             "sublayer (calls) | baseline | mHC |", "|---|---|---|"]
+    for label in (megatron, whole, pre, combine):
+        cells = [timers.us_a_sublayer(label, run, count, sub) for run in ("baseline", "mHC")]
+        lines.append(f"| {label} | " + " | ".join(
+            f"{us:.1f} ({calls:.1f})" if calls else "-" for us, calls in cells) + " |")
+    whole_us = timers.us_a_sublayer(whole, "mHC", count, sub)[0]
+    base_us = timers.us_a_sublayer(megatron, "baseline", count, sub)[0]
+    ops_us = sum(timers.us_a_sublayer(label, "mHC", count, sub)[0] for label in (pre, combine))
+    lines += [f"| forward: mHC's own (the whole sublayer minus the baseline's Megatron method) "
+              f"| | {whole_us - base_us:.1f} |",
+              f"| of which outside pre and the combine | | {whole_us - base_us - ops_us:.1f} |",
+              f"| mHC's step over the baseline's, forward and backward (median of step pairs, "
+              f"interquartile range) | | {paired_growth(times['mHC'], times['baseline'], sub)} |"]
     print("\n".join(lines), flush=True)
     return lines
 
@@ -1109,6 +1193,8 @@ OPTIONAL_SECTIONS = (
      split_rows),
     ("recompute_split", "Where mhc_recompute's host time goes (the recompute's steps, timed "
      "around its pieces)", recompute_split_rows),
+    ("sublayer_split", "Where mHC's forward host time goes (the steps timed around a "
+     "sublayer's pieces)", sublayer_split_rows),
     ("recompute_phases", "mhc_recompute's host time in forward and backward, and its parts "
      "(alternating steps)", recompute_phases_rows),
     ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
@@ -1137,6 +1223,7 @@ def main(argv=None):
     p.add_argument("--scope-ab", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--recompute-split", action="store_true")
+    p.add_argument("--sublayer-split", action="store_true")
     p.add_argument("--recompute-phases", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

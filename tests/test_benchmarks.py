@@ -243,12 +243,16 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     ops, whose saved tensors are their own fp32 copies, not the recorded outputs: no
     placeholders, so nothing to unpack or replay.) ``--recompute-phases`` times the
     recompute's forward and backward apart against mHC's, whole, with its blocks replayed in
-    Python, and with its hooks, then its records, switched off; ``--profile-recompute`` profiles its steps against mHC's."""
+    Python, and with its hooks, then its records, switched off; ``--profile-recompute``
+    profiles its steps against mHC's. ``--sublayer-split`` times a sublayer's forward pieces
+    in the baseline's and mHC's steps: Megatron's sublayer method once a sublayer in both,
+    the whole sublayer, pre and the combine once a sublayer in mHC's."""
     out, prof = tmp_path / "host.md", tmp_path / "prof.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
-                      "2", "--no-models", "--recompute-split", "--recompute-phases", "--rounds",
-                      "1", "--profile-models", str(prof), "--profile-recompute",
-                      "--profile-steps", "2", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+                      "2", "--no-models", "--recompute-split", "--recompute-phases",
+                      "--sublayer-split", "--rounds", "1", "--profile-models", str(prof),
+                      "--profile-recompute", "--profile-steps", "2", "--out", str(out),
+                      env={"TRITON_INTERPRET": "1"})
     phases = [r.split("|") for r in out.read_text().splitlines()
               if r.startswith("| mHC + recompute |") or r.startswith("| recompute, ")]
     assert [r[1].strip() for r in phases] == [
@@ -261,7 +265,19 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     rows = {r[1].strip(): r for r in (line.split("|") for line in out.read_text().splitlines()
                                       if line.startswith("| forward") or
                                       line.startswith("| backward"))}
+    split = {label: rows.pop(label) for label in list(rows) if label.startswith((
+        "forward: Megatron's", "forward: the whole", "forward: pre (", "forward: the combine",
+        "forward: mHC's own", "forward host time"))}
+    assert split.pop(next(k for k in split if k.startswith("forward host time")))
     assert len(rows) == 5, rows
+    calls = {label: [c.strip() for c in r[2:4]] for label, r in split.items()}
+    assert calls.pop("forward: mHC's own (the whole sublayer minus the baseline's Megatron "
+                     "method)")[0] == ""
+    assert len(calls) == 4, calls
+    for label, (base, mhc) in calls.items():
+        assert mhc.endswith("(1.0)"), (label, mhc)
+        assert base.endswith("(1.0)") if label.startswith("forward: Megatron's") else \
+            base == "-", (label, base)
     assert float(rows["forward: records of pre's aggregate and the combine"][3]) == 2.0, rows
     assert float(rows["forward: SublayerSaving (hooks pushed)"][3]) == 1.0, rows
     assert float(rows["forward: hooks on / off / close"][3]) >= 2.0, rows
