@@ -346,14 +346,8 @@ def test_hooks_skip_a_reader_seen_not_to_save_y(megatron_single_rank, monkeypatc
                  mhc_kernel_backend="triton") if reader == "rmsnorm_bf16" else {}
     family = "no_norm_module" if reader == "no_norm_module" else "local"
     saves_y = reader != "rmsnorm_bf16"
-    init = rc._BlockState.__init__
     states = []
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        states.append(self)
-
-    monkeypatch.setattr(rc._BlockState, "__init__", spy)
+    _collect_block_states(monkeypatch, states)
     runs = {}
     for narrow in (False, True):
         monkeypatch.setattr(rc, "_NARROW_HOOKS", narrow)
@@ -572,6 +566,22 @@ def test_native_ranges_look_up_as_python():
     assert rc._unpack_saved(packed) is packed and ext.unpack_saved(b := torch.ones(1)) is b
 
 
+def _collect_block_states(monkeypatch, states: list):
+    """Append every recompute block made from now on to ``states`` (a spy on
+    ``_BlockState.__init__``, until ``monkeypatch`` undoes it); returns the original
+    ``__init__``."""
+    from mhc_megatron.recompute import manager as rc
+
+    init = rc._BlockState.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        states.append(self)
+
+    monkeypatch.setattr(rc._BlockState, "__init__", spy)
+    return init
+
+
 def _step_blocks(monkeypatch, kind: str, family: str = "local", states: list | None = None,
                  **overrides) -> tuple:
     """One model step's ``(loss, grads, model)`` and per block ``(block id, ops whose outputs
@@ -582,13 +592,7 @@ def _step_blocks(monkeypatch, kind: str, family: str = "local", states: list | N
 
     extra = {**(moe_overrides() if kind == "moe" else {}), **overrides}
     states = [] if states is None else states
-    init = rc._BlockState.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        states.append(self)
-
-    monkeypatch.setattr(rc._BlockState, "__init__", spy)
+    init = _collect_block_states(monkeypatch, states)
     setup_cpu_megatron(seed=7)
     cfg = tiny_config(num_layers=LAYERS, mhc_recompute=True, mhc_recompute_layer_num=2, **extra)
     model = build_gpt(cfg, DEV, *_spec_of(cfg, family))

@@ -222,7 +222,7 @@ py::object SavedRanges::replay_native(int64_t generation, int64_t autocast) {
   const int64_t count = static_cast<int64_t>(ops_.size());
   const ReplaySites& table = replay_sites();
   if (table.generation != generation || table.sites.empty() ||
-      (!packed_ops_.empty() && *packed_ops_.rbegin() >= count)) {
+      (!packed_ops_.empty() && *packed_ops_.rbegin() >= count)) {  // (an output added alone)
     return py::none();
   }
   const std::vector<char> need = needed();
