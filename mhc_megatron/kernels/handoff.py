@@ -42,6 +42,8 @@ class DxLink:
     the other. The base, not pre's view object, is what the link holds on to: under the
     cross-layer recompute nothing else keeps pre's view alive until combine runs."""
 
+    __slots__ = ("root", "geometry", "version", "claimed", "native", "site", "_pending")
+
     def __init__(self, x: torch.Tensor):
         self.root = weakref.ref(_root(x))
         self.geometry = _key(x)
