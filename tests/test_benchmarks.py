@@ -287,6 +287,53 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     assert "mHC + recompute's step over mHC's" in out.read_text()
 
 
+def test_profile_native_steps_the_model_and_summarises_py_spys_samples(tmp_path):
+    """``profile_native.py run`` steps the dense mHC model in its timed loop (here on the
+    CPU, the Triton ops in the interpreter) and says how many steps it took; ``summarize``
+    reads py-spy's raw samples: the main thread's inside the loop only, split by mHC's forward
+    pieces and their own frames; autograd's device thread's busy samples after the warm-up
+    (queue waits and the ops' first Python backward left out), by node, mHC's nodes
+    summed."""
+    env = child_env(cpu_only=not torch.cuda.is_available(), TRITON_INTERPRET="1")
+    run = run_python("benchmarks/profile_native.py", "run", "--model", "mhc", "--seconds", "0",
+                     "--warmup", "1", "--tokens", "8", "--hidden", "64", env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert re.search(r"^mhc: 1 steps, [0-9.]+ ms a step", run.stdout, re.M), run.stdout[-2000:]
+    main = "thread (1): MainThread;<module> (/r/profile_native.py:9);timed_loop (/r/p.py:70)"
+    node = "thread (2);torch::autograd::Engine::thread_main;torch::autograd::Node::operator()"
+    raw = tmp_path / "raw.txt"
+    raw.write_text("\n".join([
+        f"{main};HyperConnectionModule.pre (/m/hyper_connection.py:211);pre (/m/triton_pre.py:356)"
+        ";mhc::pre_apply;malloc;0x7f0012 3",
+        f"{main};_StreamCombine._combine (/m/transformer_layer.py:163);cuLaunchKernel 1",
+        f"{main};RMSNorm.forward (/m/normalization.py:1) 6",
+        "thread (1): MainThread;<module> (/r/profile_native.py:9);build (/r/e2e.py:1) 50",
+        f"{node};mhc::(anonymous namespace)::PreBackward::apply;mhc::replay;cuLaunchKernel 2",
+        f"{node};torch::autograd::generated::MulBackward0::apply 2",
+        "thread (2);torch::autograd::Engine::thread_main;torch::autograd::ReadyQueue::pop 10",
+        f"{node};torch::autograd::PyNode::apply;_pre_native_backward (/m/triton_pre.py:1) 5",
+    ]) + "\n")
+    out = tmp_path / "summary.md"
+    summary = run_python("benchmarks/profile_native.py", "summarize", str(raw), "--out",
+                         str(out), env=env, timeout=120)
+    assert summary.returncode == 0, summary.stdout[-2000:]
+    rows = {r[0]: r[1] for r in (
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.read_text().splitlines() if line.startswith("|"))}
+    assert rows["main thread, samples in the step loop: 10"] == "share"
+    assert rows["pre (the module's call)"] == "30.0%"
+    assert rows[". malloc"] == "30.0%"
+    assert rows["the combine (the bias-dropout-add slot's call)"] == "10.0%"
+    assert rows["autograd's device thread, busy samples after the warm-up: 4"] == "share"
+    assert rows["mhc::(anonymous namespace)::PreBackward::apply"] == "50.0%"
+    assert rows["mHC's nodes (MHCPreBackward, MHCCombineBackward)"] == "50.0%"
+    assert rows[". cuLaunchKernel"] == "50.0%"  # (the nodes' own frames: the last table's)
+    (tmp_path / "flat.txt").write_text("process 7;main (/r/a.py:1) 3\n")
+    flat = run_python("benchmarks/profile_native.py", "summarize", str(tmp_path / "flat.txt"),
+                      env=env, timeout=120)
+    assert flat.returncode != 0 and "--threads" in flat.stdout, flat.stdout[-2000:]
+
+
 def test_pretrain_report_reproduces_the_committed_table(tmp_path):
     """``pretrain_report.py`` on the committed 2-GPU pretraining logs writes the committed
     ``summary.md`` (the table benchmarks/RESULTS.md cites) and the loss curves."""
