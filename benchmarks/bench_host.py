@@ -69,7 +69,8 @@ so wall time is host time:
 * ``--recompute-phases``: ``mhc_recompute``'s host time in the forward and in the backward
   apart, over mHC's without recompute, and with its parts switched off in turn (the blocks'
   saved-tensor hooks: no placeholders, no replays; then the records too: the block scopes
-  alone), the steps interleaved one by one;
+  alone), and mHC's own forward and backward over the baseline's, the steps interleaved one
+  by one;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -819,16 +820,17 @@ def recompute_phases_rows(args) -> list[str]:
     blocks' saved-tensor hooks off (its ops still recorded, nothing recomputed: no
     placeholders, no replays) and with the records off too (the layers' block scopes and the
     hooks' switch on the input norm alone), and the recompute with its blocks replayed in
-    Python (their C++ replay sites off), each against mHC's steps without recompute,
-    interleaved one by one. Each phase is timed between device syncs; per sublayer, the
-    median of the paired differences."""
+    Python (their C++ replay sites off), each against mHC's steps without recompute, and mHC's
+    against the baseline's (Megatron's plain model), all interleaved one by one. Each phase is
+    timed between device syncs; per sublayer, the median of the paired differences."""
     from mhc_megatron.layers import hyper_connection, transformer_layer
     from mhc_megatron.recompute import manager as rm
 
     shape = _dense_shape(args)
     sub = 2 * shape["layers"]
-    models = {name: build(shape, "local", True, recompute, DEVICE)[0]
-              for name, recompute in (("mHC", False), ("recompute", True))}
+    models = {name: build(shape, "local", mhc, recompute, DEVICE)[0]
+              for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
+                                           ("recompute", True, True))}
     ids, pos, mask = fixed_batch(shape, "local", DEVICE)
     saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
                                        hyper_connection.record_as, hyper_connection.run_recorded)
@@ -843,7 +845,8 @@ def recompute_phases_rows(args) -> list[str]:
                                                   else record_as(*a, **k))
     hyper_connection.run_recorded = lambda *a, **k: (
         no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
-    runs = {"mHC": ("mHC", "all"), "mHC + recompute": ("recompute", "all"),
+    runs = {"baseline": ("baseline", "all"), "mHC": ("mHC", "all"),
+            "mHC + recompute": ("recompute", "all"),
             "recompute, blocks replayed in Python": ("recompute", "python replays"),
             "recompute, hooks off (ops recorded)": ("recompute", "no hooks"),
             "recompute, hooks and records off (block scopes)": ("recompute",
@@ -875,18 +878,18 @@ def recompute_phases_rows(args) -> list[str]:
         transformer_layer.sublayer_saving = saving
         hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
         rm.set_native_replay(native_replay)
-    base = times["mHC"]
-    lines = [f"mHC's step (medians): forward {1e3 * statistics.median(t[0] for t in base):.2f} "
-             f"ms, backward {1e3 * statistics.median(t[1] for t in base):.2f} ms "
-             f"({len(base)} steps)", "",
-             "| over mHC's step, us a sublayer (median of step pairs) | forward | backward | "
-             "step |", "|---|---|---|---|"]
-    for name, got in times.items():
-        if name == "mHC":
-            continue
-        diffs = [[1e6 * (r[i] - b[i]) / sub for r, b in zip(got, base)] for i in (0, 1)]
+    lines = [f"{name}'s step (medians): forward "
+             f"{1e3 * statistics.median(t[0] for t in times[name]):.2f} ms, backward "
+             f"{1e3 * statistics.median(t[1] for t in times[name]):.2f} ms "
+             f"({len(times[name])} steps)" for name in ("baseline", "mHC")]
+    lines += ["", "| us a sublayer, median of step pairs: over mHC's step (the first row: mHC's "
+              "over the baseline's) | forward | backward | step |", "|---|---|---|---|"]
+    for name, over in [("mHC", "baseline")] + [(name, "mHC") for name in list(runs)[2:]]:
+        diffs = [[1e6 * (r[i] - b[i]) / sub for r, b in zip(times[name], times[over])]
+                 for i in (0, 1)]
         steps = [f + b for f, b in zip(*diffs)]
-        lines.append(f"| {name} | {statistics.median(diffs[0]):.1f} | "
+        label = "mHC over the baseline" if over == "baseline" else name
+        lines.append(f"| {label} | {statistics.median(diffs[0]):.1f} | "
                      f"{statistics.median(diffs[1]):.1f} | {statistics.median(steps):.1f} |")
     print("\n".join(lines), flush=True)
     return lines

@@ -244,7 +244,8 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     placeholders, so nothing to unpack or replay.) ``--recompute-phases`` times the
     recompute's forward and backward apart against mHC's, whole, with its blocks replayed in
     Python, and with its hooks, then its records, switched off; ``--profile-recompute``
-    profiles its steps against mHC's. ``--sublayer-split`` times a sublayer's forward pieces
+    profiles its steps against mHC's; mHC's own forward and backward against the baseline's
+    head the phases' table. ``--sublayer-split`` times a sublayer's forward pieces
     in the baseline's and mHC's steps: Megatron's sublayer method once a sublayer in both,
     the whole sublayer, pre and the combine once a sublayer in mHC's."""
     out, prof = tmp_path / "host.md", tmp_path / "prof.md"
@@ -254,9 +255,10 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
                       "--profile-recompute", "--profile-steps", "2", "--out", str(out),
                       env={"TRITON_INTERPRET": "1"})
     phases = [r.split("|") for r in out.read_text().splitlines()
-              if r.startswith("| mHC + recompute |") or r.startswith("| recompute, ")]
+              if r.startswith(("| mHC over the baseline |", "| mHC + recompute |",
+                               "| recompute, "))]
     assert [r[1].strip() for r in phases] == [
-        "mHC + recompute", "recompute, blocks replayed in Python",
+        "mHC over the baseline", "mHC + recompute", "recompute, blocks replayed in Python",
         "recompute, hooks off (ops recorded)",
         "recompute, hooks and records off (block scopes)"], phases
     assert all(len(r) == 6 and all(float(c) == float(c) for c in r[2:5]) for r in phases)
