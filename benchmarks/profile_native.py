@@ -110,8 +110,11 @@ def frame_name(frame: str) -> str:
     return f"{function} ({where.rsplit('/', 1)[-1]})" if where.endswith(".py") else function
 
 
-def _main_thread(frames: list[str]) -> bool:
-    return "MainThread" in frames[0]
+def _thread(frames: list[str]) -> str:
+    """The thread id of a sample (py-spy names a thread only where it sees its Python state:
+    ``thread (ID): MainThread``, or ``thread (ID)``)."""
+    m = re.match(r"thread \((\w+)\)", frames[0])
+    return m.group(1) if m else frames[0]
 
 
 def _share(count: int, total: int) -> str:
@@ -133,7 +136,9 @@ def summarize(path: str, top: int = 8) -> list[str]:
     if not any(f[0].startswith("thread (") for f, _ in rows):
         raise SystemExit(f"{path}: no thread names in the samples. Fix: record with py-spy's "
                          "--threads (and --native, --format raw), as the module docstring shows.")
-    main = [(f, c) for f, c in rows if _main_thread(f) and any("timed_loop " in x for x in f)]
+    main_ids = {_thread(f) for f, _ in rows if "MainThread" in f[0]}
+    main = [(f, c) for f, c in rows
+            if _thread(f) in main_ids and any("timed_loop " in x for x in f)]
     total = sum(c for _, c in main)
     lines = [f"py-spy samples of {path}", "",
              f"| main thread, samples in the step loop: {total} | share |", "|---|---|"]
@@ -143,7 +148,7 @@ def summarize(path: str, top: int = 8) -> list[str]:
         lines.append(f"| {label} | {_share(count, total)} |")
         for name, n in _own_frames(inside, top):
             lines.append(f"| . {name[:120]} | {_share(n, total)} |")
-    background = [(f, c) for f, c in rows if not _main_thread(f)
+    background = [(f, c) for f, c in rows if _thread(f) not in main_ids
                   and not any(w in x for x in f for w in WARM_UP_FRAMES + IDLE_FRAMES)]
     busy = sum(c for _, c in background)
     nodes: collections.Counter = collections.Counter()
