@@ -45,18 +45,6 @@ auto make_node() {
   }
 }
 
-// The gradient edges of a node's inputs, as torch::autograd::collect_next_edges makes them, in
-// one allocation (that one grows its list edge by edge).
-template <class... Tensors>
-torch::autograd::edge_list next_edges(const Tensors&... inputs) {
-  torch::autograd::edge_list edges;
-  edges.reserve(sizeof...(Tensors));
-  (edges.push_back(inputs.defined() ? torch::autograd::impl::gradient_edge(inputs)
-                                    : torch::autograd::Edge()),
-   ...);
-  return edges;
-}
-
 // Whether `t` is what a recipe reads for a tensor of `dtype` on `device`: contiguous, 16-byte
 // aligned (as launch.signature requires), on that device.
 bool dense(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
@@ -293,7 +281,7 @@ std::vector<at::Tensor> pre_apply(const std::shared_ptr<OpTable>& table, const a
   std::vector<at::Tensor> outs =
       replay(table->forward_recipe, {x, phi, alpha, bias}, scratch, stream, table->device);
   auto node = make_node<PreBackward>();
-  node->set_next_edges(next_edges(x, phi, alpha, bias));
+  node->set_next_edges(torch::autograd::collect_next_edges(x, phi, alpha, bias));
   // inside an mhc_recompute block only x can be a block output (the block's hooks see it)
   BlockOutputs* block = block_outputs_on_top();
   node->x_ = save_variable(x, block);
@@ -329,7 +317,7 @@ at::Tensor combine_apply(const std::shared_ptr<OpTable>& table, const at::Tensor
       replay(table->forward_recipe, {x, f, bias.defined() ? bias : f, h_res, h_post}, {}, stream,
              table->device);
   auto node = make_node<CombineBackward>();
-  node->set_next_edges(next_edges(x, f, bias, h_res, h_post));
+  node->set_next_edges(torch::autograd::collect_next_edges(x, f, bias, h_res, h_post));
   BlockOutputs* block = block_outputs_on_top();  // (see pre_apply)
   node->x_ = save_variable(x, block);
   node->f_ = save_variable(f, block);
