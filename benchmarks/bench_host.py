@@ -772,7 +772,8 @@ def sublayer_split_rows(args) -> list[str]:
     the whole sublayer as mHC runs it (``run_sublayer``: pre, then Megatron's method), pre (the
     module's call) and the combine (the slot's call); per sublayer, beside the paired steps'
     growth. mHC's own forward host time a sublayer is the whole sublayer minus the baseline's
-    Megatron method, the layer code's part of it what pre and the combine leave."""
+    Megatron method. (Pre and the combine do not split it further: the combine takes the place
+    of Megatron's bias-dropout-add, whose own time is inside the baseline's method.)"""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from mhc_megatron.layers import hyper_connection, transformer_layer
@@ -804,10 +805,8 @@ def sublayer_split_rows(args) -> list[str]:
             f"{us:.1f} ({calls:.1f})" if calls else "-" for us, calls in cells) + " |")
     whole_us = timers.us_a_sublayer(whole, "mHC", count, sub)[0]
     base_us = timers.us_a_sublayer(megatron, "baseline", count, sub)[0]
-    ops_us = sum(timers.us_a_sublayer(label, "mHC", count, sub)[0] for label in (pre, combine))
     lines += [f"| forward: mHC's own (the whole sublayer minus the baseline's Megatron method) "
               f"| | {whole_us - base_us:.1f} |",
-              f"| of which outside pre and the combine | | {whole_us - base_us - ops_us:.1f} |",
               f"| mHC's step over the baseline's, forward and backward (median of step pairs, "
               f"interquartile range) | | {paired_growth(times['mHC'], times['baseline'], sub)} |"]
     print("\n".join(lines), flush=True)
