@@ -14,10 +14,9 @@ kept anyway: sublayer outputs ``f`` after dropout, parameters) and hands out the
 tensors. What stays stored per block: its input streams, plus per sublayer the sublayer
 output ``f`` (which the combine's backward needs in any case) and pre's per-token mappings
 (``h_pre``, ``h_post``, ``h_res``: ``2n + n^2`` fp32 values a token, 1/340 of the streams at
-n=4, C=4096 in bf16), so that the
-replay of pre is its aggregate alone, not the projection over the streams and Sinkhorn. The
-sublayers (attention, MLP/MoE) are not recomputed here; Megatron's own selective recompute
-can still run inside them.
+n=4, C=4096 in bf16), so that the replay of pre is its aggregate alone, not the projection
+over the streams and Sinkhorn. The sublayers (attention, MLP/MoE) are not recomputed here;
+Megatron's own selective recompute can still run inside them.
 
 Mechanism: autograd's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
 the same mechanism as ``torch.utils.checkpoint``'s non-reentrant mode), matching saved
@@ -26,9 +25,8 @@ pre and the combine (the streams) and the module of the sublayer that reads ``y`
 are therefore on only around those (:class:`SublayerSaving`): from pre until the module that
 alone reads ``y`` has returned (only over pre where that module's call was seen to save no
 ``y`` itself: Megatron's torch RMSNorm on a 16-bit ``y`` saves the fp32 copy it makes), and
-around the combine; the rest of the sublayer's body (its
-linears, attention, an MoE layer's hundreds of saved tensors) saves without them, so without
-a Python call per saved tensor. That module is the sublayer's input norm, or, where
+around the combine; the rest of the sublayer's body (its linears, attention, an MoE layer's
+hundreds of saved tensors) saves without them, so without a Python call per saved tensor. That module is the sublayer's input norm, or, where
 Transformer Engine fuses the norm into the first linear (the layer's norm is ``IdentityOp``),
 that linear of an attention, MLP or Mamba / gated-delta-net mixer
 (:func:`~mhc_megatron.layers.transformer_layer.input_reader`). Without one (an MoE layer
