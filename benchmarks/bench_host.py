@@ -49,6 +49,9 @@ so wall time is host time:
 * ``--site-ab``: the nodes' calls replayed from their call sites
   (``native_autograd.CallSite``) against the same nodes reached through the ops' Python path
   (``MHC_CALL_SITES=0``), as ``--replay-ab``;
+* ``--module-calls-ab``: a module's pre and combine called from its call site in one call
+  into the extension, against the module calling the ops (``MHC_MODULE_CALLS=0``), as
+  ``--replay-ab``;
 * ``--hooks-ab``: ``mhc_recompute``'s saved-tensor hooks in C++ (the extension's
   ``SavedRanges``) against the same in Python (``MHC_RECOMPUTE_NATIVE_HOOKS=0``), as
   ``--replay-ab``;
@@ -1056,6 +1059,17 @@ def site_ab_rows(args) -> list[str]:
         enabled=native_autograd.sites_enabled, set_enabled=native_autograd.set_sites_enabled))
 
 
+def module_calls_ab_rows(args) -> list[str]:
+    """``--module-calls-ab``: a module's pre and combine called from its call site in one call
+    into the extension against the module calling the ops (whose calls replay from the same
+    sites; the per-op rows call the ops directly in both modes)."""
+    from mhc_megatron.kernels import native_autograd
+
+    return on_off_rows(args, "module calls", "op calls", SimpleNamespace(
+        enabled=native_autograd.module_calls_enabled,
+        set_enabled=native_autograd.set_module_calls_enabled))
+
+
 def hooks_ab_rows(args) -> list[str]:
     """``--hooks-ab``: ``mhc_recompute``'s saved-tensor hooks in C++ against the same hooks in
     Python (only the recompute's model step differs)."""
@@ -1187,6 +1201,8 @@ OPTIONAL_SECTIONS = (
      "(alternating rounds)", native_ab_rows),
     ("site_ab", "The C++ nodes' calls from their call sites against the ops' Python path "
      "(alternating rounds)", site_ab_rows),
+    ("module_calls_ab", "A module's pre and combine in one call into the extension against "
+     "the module calling the ops (alternating rounds)", module_calls_ab_rows),
     ("hooks_ab", "mhc_recompute's saved-tensor hooks in C++ against Python (alternating "
      "rounds)", hooks_ab_rows),
     ("scope_ab", "mhc_recompute's saved-tensor hooks where mHC outputs are saved against over "
@@ -1221,6 +1237,7 @@ def main(argv=None):
     p.add_argument("--replay-ab", action="store_true")
     p.add_argument("--native-ab", action="store_true")
     p.add_argument("--site-ab", action="store_true")
+    p.add_argument("--module-calls-ab", action="store_true")
     p.add_argument("--hooks-ab", action="store_true")
     p.add_argument("--scope-ab", action="store_true")
     p.add_argument("--split", action="store_true")

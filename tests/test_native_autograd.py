@@ -9,6 +9,9 @@ recorded for (strided, undefined) take the fallback and still agree; saved-tenso
 the nodes' saved tensors; a second backward through a freed graph fails as autograd's does;
 an error raised in the fallback reaches the caller; replayed ops under a CUDA graph capture,
 through the nodes and through the Python functions; a Megatron GPT's sublayers take the nodes.
+The module's calls (one call into the extension a sublayer op, from the module's call site)
+give the ops' bits, hand combine's dx to pre as the ops do, and leave bad input to the
+module's errors.
 """
 
 from __future__ import annotations
@@ -401,3 +404,142 @@ def test_calls_unlike_the_last_miss_their_call_site(monkeypatch):
     before = len(slow)
     y, *_ = triton_mhc.pre(x.requires_grad_(), *params, 20, 1e-6, n=4)
     assert len(slow) > before and y.grad_fn.name() == "_PreFnBackward"  # (a copy: the function)
+
+
+# ---- CUDA: the module's calls (pre and the combine in one call into the extension)
+
+def _count_op_paths(monkeypatch) -> dict:
+    """Counts of the calls that take the ops' own path (pre's and the combine's C++-node
+    entries in Python), by op."""
+    from mhc_megatron.kernels import triton_combine, triton_pre
+
+    counts = {"pre": 0, "combine": 0}
+    for module, name, op in ((triton_pre, "_pre_native", "pre"),
+                             (triton_combine, "_combine_native", "combine")):
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _op=op):
+            counts[_op] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+def _model_steps(model, steps: int) -> list:
+    """``steps`` training steps of ``model`` on one batch, the default generators seeded the
+    same before each (the same dropout masks): loss and every gradient, per step."""
+    from helpers import batch, lm_loss
+
+    data = batch(device="cuda", seed=1)
+    results = []
+    for _ in range(steps):
+        torch.manual_seed(3)
+        for p in model.parameters():
+            p.grad = None
+        loss = lm_loss(model, data)
+        loss.backward()
+        results.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute,dropout,bias", [
+    (False, 0.0, False), (True, 0.0, False), (False, 0.1, True), (True, 0.1, False)],
+    ids=["plain", "mhc_recompute", "dropout+bias", "mhc_recompute+dropout"])
+def test_module_calls_replay_the_same_bits(megatron_single_rank, monkeypatch, recompute,
+                                           dropout, bias):
+    """A Megatron GPT with mHC (Triton kernels): once a module's pre and combine have
+    call sites, every sublayer but global layer 1's first (its streams are a broadcast view,
+    which the module's calls leave to the ops) runs them in one call into the extension, the
+    ops' Python never called; every loss and gradient equals the steps with the module's calls
+    off bit for bit, with and without ``mhc_recompute``, sublayer dropout and linear biases."""
+    skip_without_host_replay()
+    from helpers import build_gpt, tiny_config
+
+    from mhc_testing.cpu import setup_cpu_megatron
+
+    setup_cpu_megatron(5)
+    config = tiny_config(num_layers=3, hidden_size=128, mhc_kernel_backend="triton",
+                         hidden_dropout=dropout, add_bias_linear=bias, mhc_recompute=recompute,
+                         mhc_recompute_layer_num=2)
+    model = build_gpt(config, "cuda")
+    monkeypatch.setattr(native_autograd, "_MODULE_CALLS", False)
+    want = _model_steps(model, 3)  # records, makes the sites, replays from them
+    monkeypatch.setattr(native_autograd, "_MODULE_CALLS", True)
+    counts = _count_op_paths(monkeypatch)
+    got = _model_steps(model, 2)
+    assert counts == {"pre": 2, "combine": 2}, counts  # global layer 1's first sublayer only
+    for step in got:
+        for i, (w, a) in enumerate(zip(want[-1], step)):
+            assert torch.equal(w, a), i
+
+
+def _module_and_streams(T=24, C=128, n=4):
+    from helpers import tiny_config
+
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+    config = tiny_config(hidden_size=C, mhc_kernel_backend="triton",
+                         params_dtype=torch.bfloat16, bf16=True)
+    hc = HyperConnectionModule(config).cuda()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    streams = torch.randn(T, 1, n * C, device="cuda", dtype=torch.bfloat16, generator=g)
+    return hc, streams.requires_grad_()
+
+
+def _module_sublayer(hc, streams, other=None):
+    """The module's pre on ``streams`` and its combine of ``1.25 y`` on ``streams`` (or on
+    ``other``, another tensor of the same values), forward and backward: ``(h_res, claimed,
+    out, grads)``, ``h_res`` as pre returned it, ``claimed`` whether the combine took the link
+    of h_res's C++ pre node (None: no such node), ``grads`` those of the streams, ``other``
+    and ``phi``."""
+    y, maps = hc.pre(streams)
+    x = streams if other is None else other
+    out = hc.combine(x, (1.25 * y, None), maps, 0.0, True)
+    link = native_autograd.node_link(maps.h_res)
+    claimed = None if link is None else link.claimed
+    out.backward(torch.ones_like(out))
+    grads = [t.grad.clone() for t in (streams, other, hc.phi) if t is not None]
+    for t in (streams, other, hc.phi, hc.alpha, hc.bias):
+        if t is not None:
+            t.grad = None
+    return maps.h_res, claimed, out.detach(), grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("same_x", [True, False], ids=["pre's x", "another x"])
+def test_the_module_calls_hand_combines_dx_to_pre_as_the_ops_do(monkeypatch, same_x):
+    """The combine called from the module takes the link of the pre node its ``h_res`` comes
+    from where its ``x`` is that pre's (the C++ claim, as the ops' DxLink claims); on another
+    tensor of the same values it forms its own ``dx``. Either way the results equal the ops'
+    path (module calls off) bit for bit."""
+    skip_without_host_replay()
+    hc, streams = _module_and_streams()
+    other = None if same_x else streams.detach().clone().requires_grad_()
+    monkeypatch.setattr(native_autograd, "_MODULE_CALLS", False)
+    for _ in range(3):
+        h_res, claimed, *want = _module_sublayer(hc, streams, other)
+    assert getattr(h_res, "_mhc_dx_link", None) is not None and claimed == same_x
+    monkeypatch.setattr(native_autograd, "_MODULE_CALLS", True)
+    h_res, claimed, *got = _module_sublayer(hc, streams, other)
+    assert getattr(h_res, "_mhc_dx_link", None) is None  # (the module's call: no DxLink)
+    assert claimed == same_x
+    assert torch.equal(want[0], got[0])
+    assert len(want[1]) == len(got[1]) and all(torch.equal(w, a)
+                                               for w, a in zip(want[1], got[1]))
+
+
+@pytest.mark.gpu
+def test_the_module_calls_keep_the_clear_errors():
+    """With the call sites made, wrong streams or a wrong sublayer output still get the
+    module's errors (the module's call misses its site and the module checks them)."""
+    skip_without_host_replay()
+    hc, streams = _module_and_streams()
+    for _ in range(3):
+        _module_sublayer(hc, streams)
+    with pytest.raises(ValueError, match=r"residual streams \[s, b, n\*C\].*Fix:"):
+        hc.pre(streams[..., :-128])
+    y, maps = hc.pre(streams)
+    with pytest.raises(ValueError, match=r"sublayer output .* does not match the streams.*Fix:"):
+        hc.combine(streams, (y[..., :-1], None), maps, 0.0, True)

@@ -5,6 +5,6 @@ A leaf package: its modules import only torch, triton, the standard library and 
 """
 
 from mhc_megatron.kernels.dispatch import (KERNEL_BACKENDS, REFERENCE_OPS, MHCOps, loaded_ops,
-                                           select_ops)
+                                           select_ops, site_ops)
 
-__all__ = ["KERNEL_BACKENDS", "MHCOps", "REFERENCE_OPS", "loaded_ops", "select_ops"]
+__all__ = ["KERNEL_BACKENDS", "MHCOps", "REFERENCE_OPS", "loaded_ops", "select_ops", "site_ops"]

@@ -17,7 +17,11 @@ final norm's output head) needs, on flattened tokens (layouts in
   ``phi [n, n*C]``, ``alpha [1]``, ``bias [n]``);
 * ``replay_combine_aggregate`` (optional): a combine and the next pre's aggregate of its
   output replayed as one call, which ``mhc_recompute`` registers for its replay
-  (:func:`loaded_ops`, :func:`mhc_megatron.recompute.register_replay_fusion`).
+  (:func:`loaded_ops`, :func:`mhc_megatron.recompute.register_replay_fusion`);
+* ``pre_at_site`` / ``combine_at_site`` (optional): a module's pre and combine in one call
+  from the call site its last call made, or None where that does not apply (the module then
+  calls ``pre`` / ``combine``); :func:`site_ops` gives the backend that has them once loaded
+  (the Triton ops: :func:`~mhc_megatron.kernels.native_autograd.pre_at_site`).
 
 ``x`` is ``[T, n, C]`` (``f``, ``y``: ``[T, C]``), or with ``n`` given the streams as the
 layers carry them, ``[..., n*C]`` (``f``, ``y``: ``[..., C]``; the Triton ops take that layout
@@ -67,6 +71,8 @@ class MHCOps:
     aggregate: Callable[..., Tensor]
     output_head: Callable[..., Tensor]
     replay_combine_aggregate: Callable[..., tuple | None] | None = None
+    pre_at_site: Callable[..., tuple | None] | None = None
+    combine_at_site: Callable[..., Tensor | None] | None = None
 
 
 # The reference wrappers make ``x`` contiguous: a broadcast x (global layer 1's streams as a
@@ -115,12 +121,21 @@ _triton_ops: MHCOps | None = None
 def _load_triton_ops() -> MHCOps:
     global _triton_ops
     if _triton_ops is None:
-        from mhc_megatron.kernels import triton_mhc
+        from mhc_megatron.kernels import native_autograd, triton_mhc
 
         _triton_ops = MHCOps(name="triton", pre=triton_mhc.pre, combine=triton_mhc.combine,
                              aggregate=triton_mhc.aggregate,
                              output_head=triton_mhc.output_head,
-                             replay_combine_aggregate=_replay_combine_aggregate)
+                             replay_combine_aggregate=_replay_combine_aggregate,
+                             pre_at_site=native_autograd.pre_at_site,
+                             combine_at_site=native_autograd.combine_at_site)
+    return _triton_ops
+
+
+def site_ops() -> MHCOps | None:
+    """The backend whose calls make call sites (the Triton ops), once :func:`select_ops` has
+    chosen it in this process, else None: what a module tries before choosing its ops
+    (``pre_at_site`` and ``combine_at_site`` replay only calls that backend made before)."""
     return _triton_ops
 
 

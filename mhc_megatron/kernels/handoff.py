@@ -40,18 +40,33 @@ class DxLink:
     "Same ``x``": the same tensor or an equal view (address, shape, strides, dtype) of the
     same base, unmodified since pre read it, so that a gradient for one is a gradient for
     the other. The base, not pre's view object, is what the link holds on to: under the
-    cross-layer recompute nothing else keeps pre's view alive until combine runs."""
+    cross-layer recompute nothing else keeps pre's view alive until combine runs. Where the
+    extension is loaded the C++ half holds that and the claim too (so a combine called from
+    C++, which finds the link through ``h_res``'s node, and one called here claim it once
+    between them)."""
 
-    __slots__ = ("root", "geometry", "version", "claimed", "native", "site", "_pending")
+    __slots__ = ("root", "geometry", "version", "_claimed", "native", "site", "_pending")
 
     def __init__(self, x: torch.Tensor):
-        self.root = weakref.ref(_root(x))
-        self.geometry = _key(x)
-        self.version = x._version
-        self.claimed = False
-        self.native = native_autograd.link()  # the C++ half, where the extension is loaded
+        self.native = native_autograd.link(x)  # the C++ half, where the extension is loaded
         self.site = None  # pre's call site (native_autograd.CallSite), for the combine's
         self._pending: tuple | None = None  # combine's (g [T, n, C], h_res [T, n, n] fp32)
+        if self.native is None:
+            self.root = weakref.ref(_root(x))
+            self.geometry = _key(x)
+            self.version = x._version
+            self._claimed = False
+
+    @classmethod
+    def of_native(cls, native) -> "DxLink":
+        """A link around the C++ half ``native`` that a C++ pre node made (no site)."""
+        link = cls.__new__(cls)
+        link.native, link.site, link._pending = native, None, None
+        return link
+
+    @property
+    def claimed(self) -> bool:
+        return self.native.claimed if self.native is not None else self._claimed
 
     def park(self, g: torch.Tensor, h_res: torch.Tensor) -> None:
         """Combine's backward: hand ``g`` (contiguous, as its kernel read it) and ``h_res``
@@ -69,7 +84,19 @@ class DxLink:
         return pending
 
     def claim(self, x: torch.Tensor) -> bool:
-        ok = (not self.claimed and x.requires_grad and self.root() is _root(x)
+        """Whether ``x`` is pre's ``x`` (above), needs a gradient, and the link is not
+        claimed yet: then it is the caller's."""
+        if self.native is not None:
+            return self.native.claim(x)
+        ok = (not self._claimed and x.requires_grad and self.root() is _root(x)
               and _key(x) == self.geometry and x._version == self.version)
-        self.claimed = self.claimed or ok
+        self._claimed = self._claimed or ok
         return ok
+
+
+def node_link(h_res: torch.Tensor) -> DxLink | None:
+    """The link of the C++ pre node that made ``h_res`` (a pre called from its module's call
+    site leaves no :class:`DxLink` on ``h_res``: the node holds it), or None (no extension,
+    ``h_res`` not from such a node, or its ``x`` needed no gradient)."""
+    native = native_autograd.node_link(h_res)
+    return None if native is None else DxLink.of_native(native)

@@ -118,11 +118,18 @@ def replay_generation() -> int | None:
     return PLANS.generation
 
 
-def link():
+def link(x: torch.Tensor):
     """The C++ half of a :class:`~mhc_megatron.kernels.handoff.DxLink` (combine's gradient
-    handed to pre), or None where the extension is not loaded."""
+    handed to pre) of pre's ``x``, or None where the extension is not loaded."""
     ext = host_replay._extension
-    return None if ext is None else ext.Link()
+    return None if ext is None else ext.Link(x)
+
+
+def node_link(h_res: torch.Tensor):
+    """The C++ half of the link held by the C++ pre node ``h_res`` comes from, or None (no
+    extension, another node, or no link)."""
+    ext = host_replay._extension
+    return None if ext is None else ext.node_link(h_res)
 
 
 class CallSite:
@@ -131,15 +138,19 @@ class CallSite:
     pre's other arguments ``(iterations, eps, n, form)``, ``combine_n`` the combine's ``n``;
     ``generation``: the launch plans' (a change of the kernels' tiles ends every site)."""
 
-    __slots__ = ("phi", "args", "pre", "combine", "combine_n", "generation")
+    __slots__ = ("phi", "args", "pre", "combine", "combine_n", "generation", "mains",
+                 "pre_capsule", "combine_capsule")
 
-    def __init__(self, phi: torch.Tensor, args: tuple, pre):
+    def __init__(self, phi: torch.Tensor, args: tuple, pre, mains: tuple | None):
         self.phi = weakref.ref(phi)
         self.args = args
         self.pre = pre
         self.combine = None
         self.combine_n = None
         self.generation = PLANS.generation
+        self.mains = mains  # the parameters' main_grad buffers the call added to, or None
+        self.pre_capsule = pre.capsule()  # (the sites as the module's calls take them)
+        self.combine_capsule = None
 
     def current(self) -> bool:
         """Whether the site may replay now: the plans it was made from are still held, and
@@ -160,18 +171,19 @@ def site_of(phi: torch.Tensor, args: tuple) -> CallSite | None:
     return site
 
 
-def remember_pre(phi: torch.Tensor, args: tuple, table, scratch,
-                 operands) -> CallSite | None:
+def remember_pre(phi: torch.Tensor, args: tuple, table, scratch, operands,
+                 mains: tuple | None) -> CallSite | None:
     """Make ``phi``'s call site from a pre call that just replayed ``table``'s forward recipe
-    with the plan's reused temporaries ``scratch`` on ``operands`` ``(x, phi, alpha, bias)``
+    with the plan's reused temporaries ``scratch`` on ``operands`` ``(x, phi, alpha, bias)``,
+    adding the parameters' gradients to ``mains`` (their ``main_grad`` buffers) or not (None)
     (None where the sites are off)."""
     if not _SITES_ENABLED:
         return None
     key = id(phi)
     if key not in _SITES:
         weakref.finalize(phi, _SITES.pop, key, None)
-    site = _SITES[key] = CallSite(phi, args, host_replay.extension().Site(table, list(scratch),
-                                                                          list(operands)))
+    site = _SITES[key] = CallSite(phi, args, host_replay.extension().Site(
+        table, list(scratch), list(operands)), mains)
     return site
 
 
@@ -180,6 +192,7 @@ def remember_combine(site: CallSite, n, table, operands) -> None:
     forward recipe on ``operands`` ``(x, f, f_bias, h_res, h_post)`` with ``n``."""
     site.combine = host_replay.extension().Site(table, [], list(operands))
     site.combine_n = n
+    site.combine_capsule = site.combine.capsule()
 
 
 def combine_site(site: CallSite | None, n):
@@ -187,3 +200,73 @@ def combine_site(site: CallSite | None, n):
     if site is None or site.combine is None or site.combine_n != n or not site.current():
         return None
     return site.combine
+
+
+# -- the module's calls
+
+_MODULE_CALLS = os.environ.get("MHC_MODULE_CALLS", "1") != "0"
+
+
+def set_module_calls_enabled(enabled: bool) -> None:
+    """Turn the module's calls (:func:`pre_at_site`, :func:`combine_at_site`) on or off in
+    this process; off, the module calls the op (``MHC_MODULE_CALLS=0`` at start-up)."""
+    global _MODULE_CALLS
+    _MODULE_CALLS = bool(enabled)
+
+
+def module_calls_enabled() -> bool:
+    return _MODULE_CALLS
+
+
+def _module_site(phi: torch.Tensor) -> CallSite | None:
+    """``phi``'s call site where a module's call may replay from it now, else None."""
+    if not (_MODULE_CALLS and _ENABLED and _SITES_ENABLED and host_replay._ENABLED):
+        return None
+    site = _SITES.get(id(phi))
+    if site is None or site.phi() is not phi or not site.current() or _transforms_active():
+        return None
+    return site
+
+
+def pre_at_site(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
+                args: tuple, main_grads: bool) -> tuple | None:
+    """A :class:`~mhc_megatron.layers.hyper_connection.HyperConnectionModule`'s pre (the
+    Triton op's ``pre(x, phi, alpha, bias, *args[:2], n=args[2], form=args[3],
+    main_grads=main_grads)``) in one call into the extension, from the site its last call on
+    ``phi`` made: ``(y, h_pre, h_post, h_res)``, the same node, link and bits as the op's
+    path; or None where that call is not one the site replays (the module then calls the op,
+    which checks everything and makes a new site where it can). The extension checks the
+    operands against the site (plain tensors, dtypes, shapes, strides, alignment, device,
+    stream, no CUDA graph capture) and that autograd records the call; here: the other
+    arguments and the ``main_grad`` buffers, which must be the ones the site was made with."""
+    site = _module_site(phi)
+    if site is None or site.args != args:
+        return None
+    mains = site.mains
+    if main_grads:
+        # (the op's _main_grads held when the site was made: these buffers, all three needing
+        # a gradient)
+        if (mains is None or getattr(phi, "main_grad", None) is not mains[0]
+                or getattr(alpha, "main_grad", None) is not mains[1]
+                or getattr(bias, "main_grad", None) is not mains[2]
+                or not (phi.requires_grad and alpha.requires_grad and bias.requires_grad)):
+            return None
+        return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias,
+                                               list(mains), (phi, alpha, bias))
+    if mains is not None:
+        return None
+    return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias, None, None)
+
+
+def combine_at_site(x: torch.Tensor, f: torch.Tensor, f_bias: torch.Tensor | None,
+                    h_res: torch.Tensor, h_post: torch.Tensor, phi: torch.Tensor,
+                    n: int | None) -> torch.Tensor | None:
+    """The module's combine (the Triton op's ``combine(x, f, f_bias, h_res, h_post, n=n)``) in
+    one call into the extension, from the combine's site beside ``phi``'s: ``x'``, the same
+    node, link and bits as the op's path; or None where the call is not one the site replays,
+    or ``h_res`` does not come from one of the C++ pre nodes (the module then calls the op).
+    The extension takes the link of ``h_res``'s pre node where ``x`` is that pre's ``x``."""
+    site = _module_site(phi)
+    if site is None or site.combine_capsule is None or site.combine_n != n:
+        return None
+    return host_replay._extension.combine_fast(site.combine_capsule, x, f, f_bias, h_res, h_post)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from mhc_megatron.kernels import host_replay, native_autograd
 from mhc_megatron.kernels.autograd_apply import applier
+from mhc_megatron.kernels.handoff import node_link
 from mhc_megatron.kernels.launch import Launcher, LaunchPlan, Meta, cdiv, next_pow2, signature
 from mhc_megatron.kernels.reference import aggregate_shape, token_dims
 from mhc_megatron.kernels.triton_common import (
@@ -342,6 +343,8 @@ def combine(x, f, f_bias, h_res, h_post, n=None):
     if not records_autograd(x, f, f_bias, h_res, h_post):
         return _combine_forward(x, f, f_bias, h_res, h_post, n)[0]
     link = getattr(h_res, "_mhc_dx_link", None)
+    if link is None:  # (a pre called from its module's site: the link is its node's)
+        link = node_link(h_res)
     if link is not None and not link.claim(x):
         link = None
     out = _combine_native(x, f, f_bias, h_res, h_post, link, n)

@@ -128,6 +128,7 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
         if outs is not None:
             if link is not None:
                 link.site = site
+            site.mains = mains  # (what the module's calls from this site add to)
             return tuple(outs)
     xk, bcast, dims, phi_k, alpha_k, bias_k, dsv4, transposed = _pre_operands(
         x, phi, alpha, bias, n_streams, form)
@@ -144,7 +145,8 @@ def _pre_native(x, phi, alpha, bias, iters, eps, link, n_streams, form, main_gra
                                                                     float(form.eps))))
     outs = tuple(ext.pre_apply(table, x, phi, alpha, bias, scratch, *node_args))
     if p.scratch.reuse and not torch.cuda.is_current_stream_capturing():  # (reused scratch)
-        site = native_autograd.remember_pre(phi, args, table, scratch, (x, phi, alpha, bias))
+        site = native_autograd.remember_pre(phi, args, table, scratch, (x, phi, alpha, bias),
+                                            mains)
         if link is not None:
             link.site = site
     return outs

@@ -11,10 +11,10 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from mhc_megatron.config import MHCTransformerConfig, mhc_setting
-from mhc_megatron.kernels import select_ops
+from mhc_megatron.kernels import select_ops, site_ops
 from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients
 from mhc_megatron.layers.streams import is_broadcast_streams
-from mhc_megatron.recompute.manager import record_as, run_recorded
+from mhc_megatron.recompute.manager import record_as, recording, run_recorded
 
 # Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)).
 # ``mhc_init_static_mapping="zero"`` (the default): an all-zero bias (H_pre = 1/2,
@@ -212,7 +212,20 @@ class HyperConnectionModule(MappingParameters):
 
     def forward(self, streams: Tensor) -> tuple[Tensor, StreamMappings]:
         """:meth:`pre`. The ops take the streams in their layout (``n`` given): no reshape of
-        the streams, and so no view node, in the autograd graph."""
+        the streams, and so no view node, in the autograd graph. A call like the module's last
+        one replays from that call's site in one call into the ops' extension
+        (``pre_at_site``), which checks the streams against what that call checked here."""
+        config = self.config
+        site = site_ops() if config.mhc_kernel_backend != "reference" else None
+        if site is not None:
+            outs = site.pre_at_site(streams, self.phi, self.alpha, self.bias,
+                                    (config.mhc_sinkhorn_iterations, config.mhc_rms_eps, self.n,
+                                     self.mapping), config.gradient_accumulation_fusion)
+            if outs is not None:
+                y, h_pre, h_post, h_res = outs
+                if recording():  # (as below)
+                    record_as(y, site.aggregate, streams, h_pre, n=self.n)
+                return y, StreamMappings(h_pre, h_post, h_res)
         x, n = self._op_input(streams)
         ops = self._ops(streams)
         y, h_pre, h_post, h_res = ops.pre(x, self.phi, self.alpha, self.bias,
@@ -239,7 +252,31 @@ class HyperConnectionModule(MappingParameters):
         ``output_with_bias`` is what Megatron's sublayers return: ``(f, bias or None)``.
         """
         f, f_bias = output_with_bias
+        if training and dropout_prob > 0.0:  # (checked first: f + f_bias needs f's shape)
+            self._check_sublayer_output(streams, f)
+            f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
+            f_bias = None
+        site = site_ops() if self.config.mhc_kernel_backend != "reference" else None
+        if site is not None:
+            # a call like the last one replays from its site (combine_at_site), which checks
+            # the streams and f against what that call checked below
+            out = site.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
+                                       self.phi, self.n)
+            if out is not None:
+                if recording():  # (as run_recorded below)
+                    record_as(out, site.combine, streams, f, f_bias, mappings.h_res,
+                              mappings.h_post, n=self.n)
+                return out
         x, n = self._op_input(streams)
+        self._check_sublayer_output(streams, f)
+        if n is None:  # broadcast streams: tokens [s*b, n, C] in (f too), [s, b, n*C] out
+            f = f.reshape(-1, self.hidden_size)
+        out = run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
+                           mappings.h_post, n=n)
+        return out if n is not None else out.view(*streams.shape[:2], self.n * self.hidden_size)
+
+    def _check_sublayer_output(self, streams: Tensor, f: Tensor) -> None:
+        """A ValueError unless ``f`` is ``[s, b, C]`` for the streams ``[s, b, ...]``."""
         if f.shape[:-1] != streams.shape[:2] or f.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"sublayer output {tuple(f.shape)} does not match the streams "
@@ -247,11 +284,3 @@ class HyperConnectionModule(MappingParameters):
                 "attention / MLP submodule must return hidden_size-wide outputs for the tokens "
                 "of the streams (as Megatron's do)."
             )
-        if training and dropout_prob > 0.0:
-            f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
-            f_bias = None
-        if n is None:  # broadcast streams: tokens [s*b, n, C] in (f too), [s, b, n*C] out
-            f = f.reshape(-1, self.hidden_size)
-        out = run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
-                           mappings.h_post, n=n)
-        return out if n is not None else out.view(*streams.shape[:2], self.n * self.hidden_size)

@@ -654,6 +654,11 @@ def sublayer_saving() -> SublayerSaving | None:
     return SublayerSaving(state)
 
 
+def recording() -> bool:
+    """Whether :func:`record_as` records now (inside a recompute block, grad mode on)."""
+    return _ACTIVE_BLOCK.get() is not None and torch.is_grad_enabled()
+
+
 def run_recorded(fn: Callable, *args: Any, **kwargs: Any):
     """``fn(*args, **kwargs)``; inside a recompute block its outputs are recorded so that the
     tensors autograd saves from them are recomputed in backward instead of kept."""

@@ -10,8 +10,10 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <deque>
@@ -130,10 +132,39 @@ struct OpTable {
 };
 
 // The handoff of combine's upstream gradient and H_res to the pre of the same x (handoff.py's
-// DxLink): combine's backward parks them, pre's takes them.
+// DxLink): made by pre's call from the x it read, claimed by the first combine on that same x;
+// combine's backward parks the pair, pre's takes it.
 struct Link {
   at::Tensor g, h_res;
   bool pending = false;
+  // pre's x: its root (its base where x is a view), held weakly, and x's geometry and version
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> root;
+  const void* data;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  int64_t version;
+  bool claimed = false;
+
+  static const at::TensorBase& root_of(const at::Tensor& x) {
+    return x.is_view() ? x._base() : x;
+  }
+
+  explicit Link(const at::Tensor& x)
+      : root(root_of(x).getIntrusivePtr()), data(x.data_ptr()), sizes(x.sizes().vec()),
+        strides(x.strides().vec()), dtype(x.scalar_type()), version(x._version()) {}
+
+  // Whether `x` is pre's x (the same tensor, or an equal view of the same root: address,
+  // sizes, strides, dtype), unmodified since pre read it, and needs a gradient: then the
+  // link is the combine's (once).
+  bool claim(const at::Tensor& x) {
+    if (claimed || !x.requires_grad() || x.data_ptr() != data || x.scalar_type() != dtype ||
+        x.sizes() != c10::IntArrayRef(sizes) || x.strides() != c10::IntArrayRef(strides) ||
+        x._version() != version || root.lock().get() != root_of(x).unsafeGetTensorImpl()) {
+      return false;
+    }
+    claimed = true;
+    return true;
+  }
 
   void park(at::Tensor g_, at::Tensor h_res_) {
     g = std::move(g_);
@@ -406,6 +437,122 @@ std::optional<at::Tensor> combine_site_apply(const Site& site, const at::Tensor&
   return combine_apply(site.table, x, f, f_bias, h_res, h_post, std::move(link));
 }
 
+// -- the module's calls: one call into the extension an op call, from the module's call site
+
+constexpr const char* kSiteCapsule = "mhc.Site";
+
+// A capsule holding a Site (a shared_ptr to it), for the fast calls' first argument.
+py::object site_capsule(std::shared_ptr<Site> site) {
+  auto* held = new std::shared_ptr<Site>(std::move(site));
+  PyObject* capsule = PyCapsule_New(held, kSiteCapsule, [](PyObject* c) {
+    delete static_cast<std::shared_ptr<Site>*>(PyCapsule_GetPointer(c, kSiteCapsule));
+  });
+  if (capsule == nullptr) {
+    delete held;
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+// torch.Tensor and torch.nn.Parameter: the Python types of the tensors the fast calls take
+// (a subclass, such as a DTensor, takes the op's Python path)
+PyTypeObject* tensor_type = nullptr;
+PyTypeObject* parameter_type = nullptr;
+
+bool plain_tensor(PyObject* o) {
+  return Py_TYPE(o) == tensor_type || Py_TYPE(o) == parameter_type;
+}
+
+// Whether autograd records an op on these tensors (triton_common.records_autograd).
+bool records(std::initializer_list<const at::Tensor*> ts) {
+  if (!at::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+const Site& site_of_capsule(PyObject* capsule) {
+  auto* held = static_cast<std::shared_ptr<Site>*>(PyCapsule_GetPointer(capsule, kSiteCapsule));
+  if (held == nullptr) throw py::error_already_set();
+  return **held;
+}
+
+void check_arguments(const char* name, Py_ssize_t given, Py_ssize_t expected) {
+  if (given != expected) {
+    throw std::invalid_argument(std::string(name) + " takes " + std::to_string(expected) +
+                                " arguments, got " + std::to_string(given));
+  }
+}
+
+// pre_fast(site, x, phi, alpha, bias, main_grads, params): pre at the module's call site, the
+// link made here from x (where x needs a gradient): (y, h_pre, h_post, h_res), or None where
+// the call is not one the site replays (the module then takes the op's Python path).
+// main_grads: a list of the parameters' main_grad buffers, or None; params: with them, the
+// parameters (to flag).
+PyObject* pre_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  check_arguments("pre_fast", nargs, 7);
+  const Site& site = site_of_capsule(args[0]);
+  for (int i = 1; i < 5; ++i) {
+    if (!plain_tensor(args[i])) Py_RETURN_NONE;
+  }
+  const at::Tensor &x = THPVariable_Unpack(args[1]), &phi = THPVariable_Unpack(args[2]),
+                   &alpha = THPVariable_Unpack(args[3]), &bias = THPVariable_Unpack(args[4]);
+  if (!records({&x, &phi, &alpha, &bias}) || !site.matches({&x, &phi, &alpha, &bias})) {
+    Py_RETURN_NONE;
+  }
+  std::vector<at::Tensor> main_grads;
+  py::object params = py::none();
+  if (args[5] != Py_None) {
+    main_grads = py::handle(args[5]).cast<std::vector<at::Tensor>>();
+    params = py::reinterpret_borrow<py::object>(args[6]);
+  }
+  std::vector<at::Tensor> outs =
+      pre_apply(site.table, x, phi, alpha, bias, site.scratch,
+                x.requires_grad() ? std::make_shared<Link>(x) : nullptr, std::move(main_grads),
+                std::move(params));
+  PyObject* tuple = PyTuple_New(4);
+  if (tuple == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < 4; ++i) PyTuple_SET_ITEM(tuple, i, THPVariable_Wrap(outs[i]));
+  return tuple;
+  END_HANDLE_TH_ERRORS
+}
+
+// combine_fast(site, x, f, f_bias or None, h_res, h_post): the combine at the module's call
+// site on the mappings of one of our pre nodes (h_res's grad_fn), taking that pre's link where
+// x is its x: x', or None where the call is not one the site replays or the mappings come from
+// elsewhere (a Python autograd function's, whose link the op's Python path finds).
+PyObject* combine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  check_arguments("combine_fast", nargs, 6);
+  const Site& site = site_of_capsule(args[0]);
+  for (int i = 1; i < 6; ++i) {
+    if (!(i == 3 && args[i] == Py_None) && !plain_tensor(args[i])) Py_RETURN_NONE;
+  }
+  const at::Tensor &x = THPVariable_Unpack(args[1]), &f = THPVariable_Unpack(args[2]),
+                   &h_res = THPVariable_Unpack(args[4]), &h_post = THPVariable_Unpack(args[5]);
+  const at::Tensor bias = args[3] == Py_None ? at::Tensor() : THPVariable_Unpack(args[3]);
+  if (!records({&x, &f, &bias, &h_res, &h_post}) ||
+      !site.matches({&x, &f, &bias, &h_res, &h_post})) {
+    Py_RETURN_NONE;
+  }
+  const auto* pre = dynamic_cast<const PreBackward*>(h_res.grad_fn().get());
+  if (pre == nullptr) Py_RETURN_NONE;
+  std::shared_ptr<Link> link = pre->link_ && pre->link_->claim(x) ? pre->link_ : nullptr;
+  std::optional<at::Tensor> f_bias;
+  if (bias.defined()) f_bias = bias;
+  return THPVariable_Wrap(combine_apply(site.table, x, f, f_bias, h_res, h_post, std::move(link)));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef fast_calls[] = {
+    {"pre_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pre_fast)),
+     METH_FASTCALL, "pre at a module's call site, or None"},
+    {"combine_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(combine_fast)),
+     METH_FASTCALL, "the combine at a module's call site, or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 void bind_autograd_nodes(py::module& m) {
@@ -414,7 +561,9 @@ void bind_autograd_nodes(py::module& m) {
            py::arg("device"), py::arg("python_backward"))
       .def("backward_recipes", &OpTable::size, "how many backward recipes the table holds");
   py::class_<Link, std::shared_ptr<Link>>(m, "Link")
-      .def(py::init<>())
+      .def(py::init<const at::Tensor&>(), py::arg("x"))
+      .def("claim", &Link::claim, py::arg("x"))
+      .def_readonly("claimed", &Link::claimed)
       .def("park", &Link::park)
       .def("take", [](Link& link) -> py::object {
         at::Tensor g, h_res;
@@ -424,13 +573,31 @@ void bind_autograd_nodes(py::module& m) {
   py::class_<Site, std::shared_ptr<Site>>(m, "Site")
       .def(py::init<std::shared_ptr<OpTable>, std::vector<at::Tensor>,
                     const std::vector<std::optional<at::Tensor>>&>(),
-           py::arg("table"), py::arg("scratch"), py::arg("operands"));
+           py::arg("table"), py::arg("scratch"), py::arg("operands"))
+      .def("capsule", &site_capsule, "the site in a capsule, as pre_fast and combine_fast take it");
   m.def("pre_site_apply", &pre_site_apply,
         "pre's forward at a call site, or None where its operands do not match the site");
   m.def("combine_site_apply", &combine_site_apply,
         "the combine's forward at a call site, or None where its operands do not match");
   m.def("pre_apply", &pre_apply, "pre's forward replayed, with a C++ autograd node");
+  m.def(
+      "node_link",
+      [](const at::Tensor& h_res) -> std::shared_ptr<Link> {
+        const auto* pre = dynamic_cast<const PreBackward*>(h_res.grad_fn().get());
+        return pre == nullptr ? nullptr : pre->link_;
+      },
+      py::arg("h_res"), "the link of the pre node h_res comes from, or None");
   m.def("combine_apply", &combine_apply, "combine's forward replayed, with a C++ autograd node");
+  py::module torch_module = py::module::import("torch");
+  tensor_type = reinterpret_cast<PyTypeObject*>(  // (held for the process's lifetime)
+      py::object(torch_module.attr("Tensor")).release().ptr());
+  parameter_type = reinterpret_cast<PyTypeObject*>(
+      py::object(py::module::import("torch.nn").attr("Parameter")).release().ptr());
+  for (PyMethodDef* def = fast_calls; def->ml_name != nullptr; ++def) {
+    PyObject* fn = PyCFunction_NewEx(def, nullptr, nullptr);
+    if (fn == nullptr) throw py::error_already_set();
+    m.add_object(def->ml_name, py::reinterpret_steal<py::object>(fn));
+  }
 }
 
 }  // namespace mhc
