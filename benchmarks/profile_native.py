@@ -1,6 +1,6 @@
 """Where a model step's host time goes, down to C++ frames: the dense model of ``bench_host.py``
 (4 layers, local specs, 64 tokens, hidden 1024) stepped in a loop under py-spy's native
-sampler, and its samples summarised.
+sampler, and its samples summarised; and what a step's autograd graph holds, per model.
 
     pip install py-spy        # (optional: not a dependency of mhc-megatron)
     py-spy record --native --threads --rate 100 --format raw -o mhc.txt -- \\
@@ -13,6 +13,12 @@ loop for ``--seconds``, the device synced after each step, inside ``timed_loop``
 keeps the main thread's samples under it); prints the steps and ms a step. py-spy stops the
 process for each native sample, so the profiled steps are slower than unprofiled ones (about
 3x at 100 Hz on an H200 host); a sampler's shares, not its times, are what it measures.
+
+``counts``: the autograd nodes a step evaluates and the kernel launches it makes, forward
+(the calling thread) and backward (autograd's device thread), counted by torch's profiler, for
+each model, per sublayer; the rows where the models differ (what mHC adds to a step's graph).
+
+    python benchmarks/profile_native.py counts [--models baseline mhc recompute] [--steps 5]
 
 ``summarize``: a table of the shares of
 
@@ -87,6 +93,75 @@ def timed_loop(step, sync, seconds: float) -> tuple[int, float]:
         sync()
         steps += 1
     return steps, time.perf_counter() - start
+
+
+# -- counts
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+NODE_EVENT = "autograd::engine::evaluate_function: "
+
+
+def count_events(events) -> collections.Counter:
+    """Autograd nodes evaluated, by name, and kernel launches, forward (any thread but
+    autograd's) and backward (the thread that evaluates the nodes), of torch profiler's
+    ``events``."""
+    counts: collections.Counter = collections.Counter()
+    node_threads: collections.Counter = collections.Counter()
+    launch_threads: collections.Counter = collections.Counter()
+    for e in events:
+        if e.name.startswith(NODE_EVENT):
+            counts["node " + e.name[len(NODE_EVENT):]] += 1
+            node_threads[e.thread] += 1
+        elif e.name in LAUNCHES:
+            launch_threads[e.thread] += 1
+    backward = node_threads.most_common(1)[0][0] if node_threads else None
+    counts["launches, forward"] = counts["launches, backward"] = 0
+    for thread, n in launch_threads.items():
+        counts["launches, backward" if thread == backward else "launches, forward"] += n
+    return counts
+
+
+def counts(models: list[str], steps: int, warmup: int, tokens: int, hidden: int) -> list[str]:
+    import torch
+    from bench_e2e import build, make_step
+    from megatron.core import parallel_state
+    from torch.profiler import ProfilerActivity, profile
+
+    from mhc_testing.cpu import init_single_process_group
+
+    init_single_process_group()
+    parallel_state.initialize_model_parallel(1, 1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = dict(SHAPE, seq=tokens, hidden=hidden, ffn=2 * hidden)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sublayers = 2 * shape["layers"]
+    per_sublayer = {}
+    for model in models:
+        step = make_step(build(shape, "local", model != "baseline", model == "recompute",
+                               device)[0], shape, "local", device)
+        for _ in range(warmup):  # compiles, recipes, call sites
+            step()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+            sync()
+        got = count_events(prof.events())
+        per_sublayer[model] = {k: v / (steps * sublayers) for k, v in got.items()}
+        del step
+    parallel_state.destroy_model_parallel()
+    names = sorted({k for c in per_sublayer.values() for k in c},
+                   key=lambda k: (not k.startswith("launches"), k))
+    first, last = models[0], models[-1]
+    lines = [f"| per sublayer ({sublayers} a step, {steps} steps, {device}) | "
+             + " | ".join(models) + f" | {last} - {first} |",
+             "|---|" + "---|" * (len(models) + 1)]
+    for name in names:
+        cells = [per_sublayer[m].get(name, 0.0) for m in models]
+        if len(set(cells)) > 1 or name.startswith("launches"):
+            lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells)
+                         + f" | {cells[-1] - cells[0]:+.2f} |")
+    return lines
 
 
 # -- summarize
@@ -180,6 +255,13 @@ def main(argv=None) -> None:
     r.add_argument("--warmup", type=int, default=10)
     r.add_argument("--tokens", type=int, default=SHAPE["seq"])
     r.add_argument("--hidden", type=int, default=SHAPE["hidden"])
+    c = sub.add_parser("counts", help="autograd nodes and kernel launches a step, per model")
+    c.add_argument("--models", nargs="+", choices=("baseline", "mhc", "recompute"),
+                   default=["baseline", "mhc", "recompute"])
+    c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--warmup", type=int, default=5)
+    c.add_argument("--tokens", type=int, default=SHAPE["seq"])
+    c.add_argument("--hidden", type=int, default=SHAPE["hidden"])
     s = sub.add_parser("summarize", help="summarise py-spy's raw output")
     s.add_argument("raw")
     s.add_argument("--top", type=int, default=8)
@@ -187,6 +269,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.command == "run":
         print(run(args.model, args.seconds, args.warmup, args.tokens, args.hidden), flush=True)
+        return
+    if args.command == "counts":
+        print("\n".join(counts(args.models, args.steps, args.warmup, args.tokens, args.hidden)),
+              flush=True)
         return
     text = "\n".join(summarize(args.raw, args.top)) + "\n"
     print(text, end="")

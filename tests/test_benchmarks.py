@@ -337,6 +337,24 @@ def test_profile_native_steps_the_model_and_summarises_py_spys_samples(tmp_path)
     assert flat.returncode != 0 and "--threads" in flat.stdout, flat.stdout[-2000:]
 
 
+def test_profile_native_counts_the_nodes_and_launches_mhc_adds():
+    """``profile_native.py counts`` profiles the steps of each model and tabulates, per
+    sublayer, the autograd nodes evaluated where the models differ and the kernel launches
+    (none on the CPU): mHC's three mapping parameters a sublayer are three more
+    ``AccumulateGrad`` nodes."""
+    env = child_env(cpu_only=not torch.cuda.is_available())
+    out = run_python("benchmarks/profile_native.py", "counts", "--models", "baseline", "mhc",
+                     "--steps", "1", "--warmup", "1", "--tokens", "8", "--hidden", "64",
+                     env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:]
+    rows = {r[0]: r[1:] for r in (
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in out.stdout.splitlines() if line.startswith("| "))}
+    assert rows["node torch::autograd::AccumulateGrad"][-1] == "+3.00", rows
+    if not torch.cuda.is_available():
+        assert rows["launches, forward"] == ["0.00", "0.00", "+0.00"], rows
+
+
 def test_pretrain_report_reproduces_the_committed_table(tmp_path):
     """``pretrain_report.py`` on the committed 2-GPU pretraining logs writes the committed
     ``summary.md`` (the table benchmarks/RESULTS.md cites) and the loss curves."""
