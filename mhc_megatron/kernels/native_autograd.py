@@ -39,6 +39,19 @@ the Python function adds them (``gradient_accumulation_fusion``); the buffers ar
 when the forward runs, which is right for Megatron's DDP (``main_grad`` is a fixed view of its
 gradient buffer); parameters of Megatron-FSDP, which allocates ``main_grad`` in backward, keep
 the Python function with that fusion.
+
+The module's calls (:func:`pre_at_site`, :func:`combine_at_site`): a
+:class:`~mhc_megatron.layers.hyper_connection.HyperConnectionModule` whose ``phi`` has a call
+site calls it before it chooses its ops, in one call into the extension each
+(``pre_fast``, ``combine_fast``: plain CPython calls, no argument casting), which checks the
+operands against the site and that autograd records the call, as above. pre's link is made
+there, in C++, from its ``x`` and held by its node; the combine finds it through ``h_res``'s
+node and claims it in C++ (the claim :class:`~mhc_megatron.kernels.handoff.DxLink` makes, which
+the C++ half of every link now makes, so a link is claimed once whichever path claims it).
+Anything the site does not replay returns None, and the module calls the op as before: global
+layer 1's first sublayer (its broadcast streams), another shape or layout, Python autograd
+functions' mappings, ``main_grad`` buffers other than the site's, a CUDA graph being captured.
+``MHC_MODULE_CALLS=0`` (or :func:`set_module_calls_enabled`) turns them off.
 """
 
 from __future__ import annotations
