@@ -11,7 +11,8 @@ an error raised in the fallback reaches the caller; replayed ops under a CUDA gr
 through the nodes and through the Python functions; a Megatron GPT's sublayers take the nodes.
 The module's calls (one call into the extension a sublayer op, from the module's call site)
 give the ops' bits, hand combine's dx to pre as the ops do, and leave bad input to the
-module's errors.
+module's errors; on the CPU, with a stand-in extension: which calls they take (the site's
+arguments, ``main_grad`` buffers and plans, every switch on) and which they leave to the op.
 """
 
 from __future__ import annotations
@@ -543,3 +544,132 @@ def test_the_module_calls_keep_the_clear_errors():
     y, maps = hc.pre(streams)
     with pytest.raises(ValueError, match=r"sublayer output .* does not match the streams.*Fix:"):
         hc.combine(streams, (y[..., :-1], None), maps, 0.0, True)
+
+
+# ---- CPU: which calls the module's calls take (a stand-in extension records them)
+
+class _StandInExtension:
+    """Records the module's calls into the extension; returns what a replay would."""
+
+    def __init__(self):
+        self.calls = []
+
+    def pre_fast(self, capsule, x, phi, alpha, bias, mains, params):
+        self.calls.append(("pre", capsule, mains, params))
+        return ("y", "h_pre", "h_post", "h_res")
+
+    def combine_fast(self, capsule, x, f, f_bias, h_res, h_post):
+        self.calls.append(("combine", capsule))
+        return "out"
+
+
+class _StandInSite:
+    def capsule(self):
+        return "site capsule"
+
+
+def _stand_in_site(monkeypatch, phi, args, mains=None):
+    ext = _StandInExtension()
+    monkeypatch.setattr(host_replay, "_extension", ext)
+    monkeypatch.setattr(host_replay, "_ENABLED", True)
+    monkeypatch.setattr(native_autograd, "_signing_off", lambda: False)  # (as on a GPU host)
+    monkeypatch.setattr(native_autograd, "_SITES", {})
+    site = native_autograd._SITES[id(phi)] = native_autograd.CallSite(phi, args, _StandInSite(),
+                                                                      mains)
+    return ext, site
+
+
+def test_the_module_calls_take_only_what_their_site_replays(monkeypatch):
+    """pre_at_site / combine_at_site call the extension only for a call like the site's: the
+    same scalar arguments, no ``main_grad`` buffers on either side, the combine's ``n``, every
+    switch on (the module's calls, the nodes, the sites, the replay), no launch hook, trace or
+    functorch transform, and the launch plans the site was made from, on the site's ``phi``;
+    else None (the module then calls the op)."""
+    from mhc_megatron.kernels.triton_common import PLANS
+
+    phi, alpha, bias = (torch.zeros(24, 32, requires_grad=True),
+                        torch.zeros(3, requires_grad=True), torch.zeros(24, requires_grad=True))
+    x = torch.zeros(2, 32)
+    args = (20, 1e-6, 4, "form")
+    ext, site = _stand_in_site(monkeypatch, phi, args)
+
+    def pre(a=args, main_grads=False):
+        return native_autograd.pre_at_site(x, phi, alpha, bias, a, main_grads)
+
+    assert pre() == ("y", "h_pre", "h_post", "h_res")
+    assert ext.calls[-1] == ("pre", "site capsule", None, None)
+    assert pre((20, 1e-6, 8, "form")) is None and pre((10, 1e-6, 4, "form")) is None
+    assert pre(main_grads=True) is None  # (the site was made without main_grad buffers)
+    for switch in ("_MODULE_CALLS", "_ENABLED", "_SITES_ENABLED"):
+        monkeypatch.setattr(native_autograd, switch, False)
+        assert pre() is None, switch
+        monkeypatch.setattr(native_autograd, switch, True)
+    monkeypatch.setattr(host_replay, "_ENABLED", False)
+    assert pre() is None
+    monkeypatch.setattr(host_replay, "_ENABLED", True)
+    for name in ("_signing_off", "_transforms_active"):  # (a launch hook, torch.compile; vmap)
+        monkeypatch.setattr(native_autograd, name, lambda: True)
+        assert pre() is None, name
+        monkeypatch.setattr(native_autograd, name, lambda: False)
+    assert native_autograd.combine_at_site(x, x, None, x, x, phi, 4) is None  # (no combine yet)
+    site.combine_capsule, site.combine_n = "combine capsule", 4
+    assert native_autograd.combine_at_site(x, x, None, x, x, phi, 4) == "out"
+    assert ext.calls[-1] == ("combine", "combine capsule")
+    assert native_autograd.combine_at_site(x, x, None, x, x, phi, None) is None
+    monkeypatch.setattr(PLANS, "generation", PLANS.generation + 1)  # (the kernels' tiles moved)
+    assert pre() is None and native_autograd.combine_at_site(x, x, None, x, x, phi, 4) is None
+    calls = len(ext.calls)
+    assert native_autograd.pre_at_site(x, torch.zeros(24, 32), alpha, bias, args, False) is None
+    assert len(ext.calls) == calls
+
+
+def test_the_module_calls_add_to_the_sites_main_grad_buffers_only(monkeypatch):
+    """With gradient-accumulation fusion a module's call hands the extension the ``main_grad``
+    buffers the site was made with, and the parameters to flag, while they are still the
+    parameters' buffers and every parameter needs a gradient; a site made without buffers
+    takes no call with the fusion on, and one made with them none with it off."""
+    params = (torch.zeros(24, 32, requires_grad=True), torch.zeros(3, requires_grad=True),
+              torch.zeros(24, requires_grad=True))
+    mains = tuple(torch.zeros(p.shape) for p in params)
+    for p, m in zip(params, mains):
+        p.main_grad = m
+    x, args = torch.zeros(2, 32), (20, 1e-6, 4, "form")
+    ext, site = _stand_in_site(monkeypatch, params[0], args, mains)
+
+    def pre(main_grads=True):
+        return native_autograd.pre_at_site(x, *params, args, main_grads)
+
+    assert pre() is not None
+    _, _, handed, flagged = ext.calls[-1]
+    assert all(a is b for a, b in zip(handed, mains)) and len(handed) == 3
+    assert flagged == params
+    assert pre(main_grads=False) is None
+    params[1].requires_grad_(False)
+    assert pre() is None
+    params[1].requires_grad_(True)
+    params[2].main_grad = torch.zeros(24)  # (a new buffer: the site's is not the parameter's)
+    assert pre() is None
+    params[2].main_grad = mains[2]
+    assert pre() is not None
+
+
+def test_a_module_on_the_reference_backend_never_takes_the_module_calls(monkeypatch):
+    """A module whose config says ``mhc_kernel_backend="reference"`` runs the reference even
+    where its ``phi`` has a call site (a backend changed after Triton calls)."""
+    from helpers import tiny_config
+
+    from mhc_megatron.kernels import dispatch
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+
+    hc = HyperConnectionModule(tiny_config(mhc_kernel_backend="reference"))
+    n, C = hc.n, hc.hidden_size
+    ext, site = _stand_in_site(monkeypatch, hc.phi, (hc.config.mhc_sinkhorn_iterations,
+                                                     hc.config.mhc_rms_eps, n, hc.mapping))
+    site.combine_capsule, site.combine_n = "combine capsule", n
+    monkeypatch.setattr(dispatch, "_triton_ops", dispatch._load_triton_ops())
+    streams = torch.randn(3, 2, n * C, requires_grad=True)
+    y, maps = hc.pre(streams)
+    out = hc.combine(streams, (y, None), maps, 0.0, True)
+    assert ext.calls == [] and out.shape == streams.shape
+    hc.config.mhc_kernel_backend = "auto"  # (on the CPU: the stand-in's site takes the calls)
+    assert hc.pre(streams)[0] == "y" and ext.calls[-1][0] == "pre"

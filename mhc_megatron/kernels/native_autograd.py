@@ -34,8 +34,9 @@ in C++ and replays, without the op's Python checks, plan and recipe lookup. The 
 takes that pre's mappings (its ``x`` claimed by pre's link) keeps a site of its own beside
 it. A call whose operands differ in anything the recipe depends on (a shape, a dtype, a
 misaligned or strided operand, the device or stream), or that runs while a CUDA graph is
-being captured, misses the site and takes the op's Python path, which makes a new one. A node's gradients for the parameters are added to Megatron's ``main_grad`` buffers as
-the Python function adds them (``gradient_accumulation_fusion``); the buffers are resolved
+being captured, misses the site and takes the op's Python path, which makes a new one. A
+node's gradients for the parameters are added to Megatron's ``main_grad`` buffers as the
+Python function adds them (``gradient_accumulation_fusion``); the buffers are resolved
 when the forward runs, which is right for Megatron's DDP (``main_grad`` is a fixed view of its
 gradient buffer); parameters of Megatron-FSDP, which allocates ``main_grad`` in backward, keep
 the Python function with that fusion.
