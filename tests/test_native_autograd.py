@@ -607,7 +607,7 @@ def test_the_module_calls_take_only_what_their_site_replays(monkeypatch):
     monkeypatch.setattr(host_replay, "_ENABLED", False)
     assert pre() is None
     monkeypatch.setattr(host_replay, "_ENABLED", True)
-    for name in ("_signing_off", "_transforms_active"):  # (a launch hook, torch.compile; vmap)
+    for name in ("_signing_off", "_transforms_active", "_compiling"):  # (hooks, vmap, compile)
         monkeypatch.setattr(native_autograd, name, lambda: True)
         assert pre() is None, name
         monkeypatch.setattr(native_autograd, name, lambda: False)

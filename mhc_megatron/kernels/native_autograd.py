@@ -234,7 +234,8 @@ def module_calls_enabled() -> bool:
 
 def _module_site(phi: torch.Tensor) -> CallSite | None:
     """``phi``'s call site where a module's call may replay from it now, else None."""
-    if not (_MODULE_CALLS and _ENABLED and _SITES_ENABLED and host_replay._ENABLED):
+    if not (_MODULE_CALLS and _ENABLED and _SITES_ENABLED and host_replay._ENABLED) \
+            or _compiling():  # (first: torch.compile traces no further)
         return None
     site = _SITES.get(id(phi))
     if site is None or site.phi() is not phi or not site.current() or _transforms_active():

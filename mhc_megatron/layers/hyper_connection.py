@@ -216,15 +216,15 @@ class HyperConnectionModule(MappingParameters):
         one replays from that call's site in one call into the ops' extension
         (``pre_at_site``), which checks the streams against what that call checked here."""
         config = self.config
-        site = site_ops() if config.mhc_kernel_backend != "reference" else None
-        if site is not None:
-            outs = site.pre_at_site(streams, self.phi, self.alpha, self.bias,
-                                    (config.mhc_sinkhorn_iterations, config.mhc_rms_eps, self.n,
-                                     self.mapping), config.gradient_accumulation_fusion)
+        ops = site_ops() if config.mhc_kernel_backend != "reference" else None
+        if ops is not None:
+            outs = ops.pre_at_site(streams, self.phi, self.alpha, self.bias,
+                                   (config.mhc_sinkhorn_iterations, config.mhc_rms_eps, self.n,
+                                    self.mapping), config.gradient_accumulation_fusion)
             if outs is not None:
                 y, h_pre, h_post, h_res = outs
                 if recording():  # (as below)
-                    record_as(y, site.aggregate, streams, h_pre, n=self.n)
+                    record_as(y, ops.aggregate, streams, h_pre, n=self.n)
                 return y, StreamMappings(h_pre, h_post, h_res)
         x, n = self._op_input(streams)
         ops = self._ops(streams)
@@ -256,15 +256,15 @@ class HyperConnectionModule(MappingParameters):
             self._check_sublayer_output(streams, f)
             f = F.dropout(f if f_bias is None else f + f_bias, p=dropout_prob, training=True)
             f_bias = None
-        site = site_ops() if self.config.mhc_kernel_backend != "reference" else None
-        if site is not None:
+        ops = site_ops() if self.config.mhc_kernel_backend != "reference" else None
+        if ops is not None:
             # a call like the last one replays from its site (combine_at_site), which checks
             # the streams and f against what that call checked below
-            out = site.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
-                                       self.phi, self.n)
+            out = ops.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
+                                      self.phi, self.n)
             if out is not None:
                 if recording():  # (as run_recorded below)
-                    record_as(out, site.combine, streams, f, f_bias, mappings.h_res,
+                    record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
                               mappings.h_post, n=self.n)
                 return out
         x, n = self._op_input(streams)
