@@ -14,7 +14,7 @@ from mhc_megatron.config import MHCTransformerConfig, mhc_setting
 from mhc_megatron.kernels import select_ops, site_ops
 from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients
 from mhc_megatron.layers.streams import is_broadcast_streams
-from mhc_megatron.recompute.manager import record_as, recording, run_recorded
+from mhc_megatron.recompute.manager import record_as, run_recorded
 
 # Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)).
 # ``mhc_init_static_mapping="zero"`` (the default): an all-zero bias (H_pre = 1/2,
@@ -223,8 +223,7 @@ class HyperConnectionModule(MappingParameters):
                                     self.mapping), config.gradient_accumulation_fusion)
             if outs is not None:
                 y, h_pre, h_post, h_res = outs
-                if recording():  # (as below)
-                    record_as(y, ops.aggregate, streams, h_pre, n=self.n)
+                record_as(y, ops.aggregate, streams, h_pre, n=self.n)  # (as below)
                 return y, StreamMappings(h_pre, h_post, h_res)
         x, n = self._op_input(streams)
         ops = self._ops(streams)
@@ -263,9 +262,8 @@ class HyperConnectionModule(MappingParameters):
             out = ops.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
                                       self.phi, self.n)
             if out is not None:
-                if recording():  # (as run_recorded below)
-                    record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
-                              mappings.h_post, n=self.n)
+                record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
+                          mappings.h_post, n=self.n)  # (as run_recorded below)
                 return out
         x, n = self._op_input(streams)
         self._check_sublayer_output(streams, f)

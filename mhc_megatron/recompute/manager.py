@@ -26,15 +26,15 @@ are therefore on only around those (:class:`SublayerSaving`): from pre until the
 alone reads ``y`` has returned (only over pre where that module's call was seen to save no
 ``y`` itself: Megatron's torch RMSNorm on a 16-bit ``y`` saves the fp32 copy it makes), and
 around the combine; the rest of the sublayer's body (its linears, attention, an MoE layer's
-hundreds of saved tensors) saves without them, so without a Python call per saved tensor. That module is the sublayer's input norm, or, where
-Transformer Engine fuses the norm into the first linear (the layer's norm is ``IdentityOp``),
-that linear of an attention, MLP or Mamba / gated-delta-net mixer
-(:func:`~mhc_megatron.layers.transformer_layer.input_reader`). Without one (an MoE layer
-without its own norm, whose router and dispatcher both read ``y``; Megatron's ``layernorm``
-selective recompute, whose checkpoint saves ``y`` after the norm returns) the
-hooks stay on over the whole sublayer. Where the host replay extension is built the hooks
-are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded output; a hit
-becomes a C++ ``Placeholder``, resolved in C++), else the same lookup in Python
+hundreds of saved tensors) saves without them, so without a Python call per saved tensor.
+That module is the sublayer's input norm, or, where Transformer Engine fuses the norm into
+the first linear (the layer's norm is ``IdentityOp``), that linear of an attention, MLP or
+Mamba / gated-delta-net mixer (:func:`~mhc_megatron.layers.transformer_layer.input_reader`).
+Without one (an MoE layer without its own norm, whose router and dispatcher both read ``y``;
+Megatron's ``layernorm`` selective recompute, whose checkpoint saves ``y`` after the norm
+returns) the hooks stay on over the whole sublayer. Where the host replay extension is built
+the hooks are its C++ ``SavedRanges`` (no Python frame for a tensor that is no recorded
+output; a hit becomes a C++ ``Placeholder``, resolved in C++), else the same lookup in Python
 (:class:`_AddressRanges`; ``MHC_RECOMPUTE_NATIVE_HOOKS=0`` or :func:`set_native_hooks`
 chooses it). With the C++ hooks a block also replays from C++ (:meth:`_BlockState.recompute`):
 each recorded op keeps a description of its arguments there, a Python replay of an op (or of
@@ -652,11 +652,6 @@ def sublayer_saving() -> SublayerSaving | None:
     if state is None or not torch.is_grad_enabled():
         return None
     return SublayerSaving(state)
-
-
-def recording() -> bool:
-    """Whether :func:`record_as` records now (inside a recompute block, grad mode on)."""
-    return _ACTIVE_BLOCK.get() is not None and torch.is_grad_enabled()
 
 
 def run_recorded(fn: Callable, *args: Any, **kwargs: Any):
