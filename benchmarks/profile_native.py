@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import re
 import sys
 import time
@@ -62,15 +63,28 @@ SHAPE = dict(layers=4, hidden=1024, ffn=2048, heads=8, seq=64, mbs=1, vocab=1024
 
 # -- run
 
-def run(model: str, seconds: float, warmup: int, tokens: int, hidden: int) -> str:
-    import torch
-    from bench_e2e import build, make_step
+@contextlib.contextmanager
+def _one_rank():
+    """A single-process group and model parallelism of 1 while open."""
     from megatron.core import parallel_state
 
     from mhc_testing.cpu import init_single_process_group
 
     init_single_process_group()
     parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _warmed_step(model: str, warmup: int, tokens: int, hidden: int):
+    """The dense model's step (``model``: baseline, mhc or recompute, :data:`SHAPE` with
+    ``tokens`` and ``hidden``) after ``warmup`` steps (Triton's compiles, the recipes, the call
+    sites): ``(step, sync, shape, device)``."""
+    import torch
+    from bench_e2e import build, make_step
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = dict(SHAPE, seq=tokens, hidden=hidden, ffn=2 * hidden)
     step = make_step(build(shape, "local", model != "baseline", model == "recompute", device)[0],
@@ -79,8 +93,13 @@ def run(model: str, seconds: float, warmup: int, tokens: int, hidden: int) -> st
     for _ in range(warmup):
         step()
     sync()
-    steps, elapsed = timed_loop(step, sync, seconds)
-    parallel_state.destroy_model_parallel()
+    return step, sync, shape, device
+
+
+def run(model: str, seconds: float, warmup: int, tokens: int, hidden: int) -> str:
+    with _one_rank():
+        step, sync, _, device = _warmed_step(model, warmup, tokens, hidden)
+        steps, elapsed = timed_loop(step, sync, seconds)
     return f"{model}: {steps} steps, {1e3 * elapsed / steps:.3f} ms a step ({device})"
 
 
@@ -122,34 +141,20 @@ def count_events(events) -> collections.Counter:
 
 
 def counts(models: list[str], steps: int, warmup: int, tokens: int, hidden: int) -> list[str]:
-    import torch
-    from bench_e2e import build, make_step
-    from megatron.core import parallel_state
     from torch.profiler import ProfilerActivity, profile
 
-    from mhc_testing.cpu import init_single_process_group
-
-    init_single_process_group()
-    parallel_state.initialize_model_parallel(1, 1)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = dict(SHAPE, seq=tokens, hidden=hidden, ffn=2 * hidden)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sublayers = 2 * shape["layers"]
     per_sublayer = {}
-    for model in models:
-        step = make_step(build(shape, "local", model != "baseline", model == "recompute",
-                               device)[0], shape, "local", device)
-        for _ in range(warmup):  # compiles, recipes, call sites
-            step()
-        sync()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                step()
-            sync()
-        got = count_events(prof.events())
-        per_sublayer[model] = {k: v / (steps * sublayers) for k, v in got.items()}
-        del step
-    parallel_state.destroy_model_parallel()
+    with _one_rank():
+        for model in models:
+            step, sync, shape, device = _warmed_step(model, warmup, tokens, hidden)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    step()
+                sync()
+            got = count_events(prof.events())
+            sublayers = 2 * shape["layers"]
+            per_sublayer[model] = {k: v / (steps * sublayers) for k, v in got.items()}
+            del step
     names = sorted({k for c in per_sublayer.values() for k in c},
                    key=lambda k: (not k.startswith("launches"), k))
     first, last = models[0], models[-1]
