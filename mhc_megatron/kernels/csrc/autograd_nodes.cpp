@@ -472,6 +472,11 @@ bool records(std::initializer_list<const at::Tensor*> ts) {
   return false;
 }
 
+// The pre node (one of ours) that made `h_res`, or nullptr.
+const PreBackward* pre_node_of(const at::Tensor& h_res) {
+  return dynamic_cast<const PreBackward*>(h_res.grad_fn().get());
+}
+
 const Site& site_of_capsule(PyObject* capsule) {
   auto* held = static_cast<std::shared_ptr<Site>*>(PyCapsule_GetPointer(capsule, kSiteCapsule));
   if (held == nullptr) throw py::error_already_set();
@@ -537,7 +542,7 @@ PyObject* combine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !site.matches({&x, &f, &bias, &h_res, &h_post})) {
     Py_RETURN_NONE;
   }
-  const auto* pre = dynamic_cast<const PreBackward*>(h_res.grad_fn().get());
+  const PreBackward* pre = pre_node_of(h_res);
   if (pre == nullptr) Py_RETURN_NONE;
   std::shared_ptr<Link> link = pre->link_ && pre->link_->claim(x) ? pre->link_ : nullptr;
   std::optional<at::Tensor> f_bias;
@@ -583,7 +588,7 @@ void bind_autograd_nodes(py::module& m) {
   m.def(
       "node_link",
       [](const at::Tensor& h_res) -> std::shared_ptr<Link> {
-        const auto* pre = dynamic_cast<const PreBackward*>(h_res.grad_fn().get());
+        const PreBackward* pre = pre_node_of(h_res);
         return pre == nullptr ? nullptr : pre->link_;
       },
       py::arg("h_res"), "the link of the pre node h_res comes from, or None");
