@@ -101,6 +101,9 @@ def _scheduled(model, layer, batches, mask, rope):
 def cpu_nodes(monkeypatch):
     from megatron.core.models.common import utils
 
+    # on a CUDA host too, everything stays on the CPU: Megatron's RoPE moves its frequencies
+    # to torch.cuda.current_device() at its first forward (as the CPU shims have it)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(utils.TransformerLayerNode, "_resolve_free_input",
                         staticmethod(lambda *args: False))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)  # no streams

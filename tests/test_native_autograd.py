@@ -11,8 +11,9 @@ an error raised in the fallback reaches the caller; replayed ops under a CUDA gr
 through the nodes and through the Python functions; a Megatron GPT's sublayers take the nodes.
 The module's calls (one call into the extension a sublayer op, from the module's call site)
 give the ops' bits, hand combine's dx to pre as the ops do, and leave bad input to the
-module's errors; on the CPU, with a stand-in extension: which calls they take (the site's
-arguments, ``main_grad`` buffers and plans, every switch on) and which they leave to the op.
+module's errors; freed nodes' storage is reused. On the CPU, with a stand-in extension: which
+calls they take (the site's arguments, ``main_grad`` buffers and plans, every switch on) and
+which they leave to the op.
 """
 
 from __future__ import annotations
@@ -529,6 +530,28 @@ def test_the_module_calls_hand_combines_dx_to_pre_as_the_ops_do(monkeypatch, sam
     assert torch.equal(want[0], got[0])
     assert len(want[1]) == len(got[1]) and all(torch.equal(w, a)
                                                for w, a in zip(want[1], got[1]))
+
+
+@pytest.mark.gpu
+def test_the_nodes_storage_is_reused():
+    """A freed node's storage goes onto its type's free list (the extension's
+    ``NodeStorage``) and the next node of that type takes it: a sublayer's forward takes one
+    block from each list, and once its graph is freed the lists hold what they held before."""
+    skip_without_host_replay()
+    ext = host_replay.extension()
+    hc, streams = _module_and_streams()
+    for _ in range(3):  # the sites and recipes; nodes made and freed
+        _module_sublayer(hc, streams)
+    before = ext.node_storage()
+    assert min(before) >= 1
+    y, maps = hc.pre(streams)
+    out = hc.combine(streams, (1.25 * y, None), maps, 0.0, True)
+    assert out.grad_fn.name() == "MHCCombineBackward"
+    assert maps.h_res.grad_fn.name() == "MHCPreBackward"
+    assert ext.node_storage() == (before[0] - 1, before[1] - 1)
+    out.backward(torch.ones_like(out))
+    del y, maps, out
+    assert ext.node_storage() == before
 
 
 @pytest.mark.gpu

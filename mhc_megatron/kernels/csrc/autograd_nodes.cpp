@@ -38,6 +38,76 @@ void delete_node(N* node) {
   deleteNode(node);  // torch::autograd::deleteNode, found through N's base (shared_ptr torch)
 }
 
+// Storage for the nodes of type N, reused: a node is made on the thread that runs the forward
+// and freed on autograd's device thread. Through glibc's malloc a pre node (1120 bytes with
+// torch 2.11: past the per-thread caches and the small bins) makes the arena consolidate its
+// fast bins on every allocation, which the frees from the other thread keep filling. Freed
+// storage goes onto a free list (up to kMaxBlocks blocks) that the next node of the type takes.
+template <class N>
+class NodeStorage {
+ public:
+  static void* take() {
+    Blocks& b = blocks();
+    {
+      std::lock_guard<std::mutex> lock(b.mutex);
+      if (!b.free.empty()) {
+        void* block = b.free.back();
+        b.free.pop_back();
+        return block;
+      }
+    }
+    return ::operator new(sizeof(N));
+  }
+
+  // how many freed blocks the list holds
+  static size_t free_blocks() {
+    Blocks& b = blocks();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    return b.free.size();
+  }
+
+  static void give(void* block) noexcept {
+    Blocks& b = blocks();
+    {
+      std::lock_guard<std::mutex> lock(b.mutex);
+      if (b.free.size() < kMaxBlocks) {
+        b.free.push_back(block);  // (reserved: never reallocates)
+        return;
+      }
+    }
+    ::operator delete(block);
+  }
+
+ private:
+  // the nodes alive at once: two a sublayer for each micro-batch in flight
+  static constexpr size_t kMaxBlocks = 2048;
+  struct Blocks {
+    std::mutex mutex;
+    std::vector<void*> free;
+    Blocks() { free.reserve(kMaxBlocks); }
+  };
+  static Blocks& blocks() {
+    static Blocks* b = new Blocks();  // (never destroyed: nodes may be freed at exit)
+    return *b;
+  }
+};
+
+// A node type whose storage comes from NodeStorage (a base of the node: `delete` through a
+// Node* finds these through the node's virtual destructor).
+template <class N>
+struct PooledNode {
+  static void* operator new(size_t size) {
+    return size == sizeof(N) ? NodeStorage<N>::take() : ::operator new(size);
+  }
+  static void operator delete(void* block, size_t size) noexcept {
+    if (size == sizeof(N)) {
+      NodeStorage<N>::give(block);
+    } else {
+      ::operator delete(block);
+    }
+  }
+};
+
 template <class N>
 auto make_node() {
   if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
@@ -184,7 +254,7 @@ struct Link {
 };
 
 // pre's backward: grads (dy, dh_pre, dh_post, dh_res) -> (dx, dphi, dalpha, dbias).
-struct PreBackward : public Node {
+struct PreBackward : public Node, public PooledNode<PreBackward> {
   SavedVariable x_, phi_, alpha_, bias_, ht_, rstd_, h_pre_;
   std::shared_ptr<OpTable> table_;
   std::shared_ptr<Link> link_;
@@ -247,7 +317,7 @@ struct PreBackward : public Node {
 };
 
 // combine's backward: grads (g) -> (dx, df, dbias, dh_res, dh_post); no dx with the link.
-struct CombineBackward : public Node {
+struct CombineBackward : public Node, public PooledNode<CombineBackward> {
   SavedVariable x_, f_, f_bias_, h_res_, h_post_;
   std::shared_ptr<OpTable> table_;
   std::shared_ptr<Link> link_;
@@ -593,6 +663,13 @@ void bind_autograd_nodes(py::module& m) {
       },
       py::arg("h_res"), "the link of the pre node h_res comes from, or None");
   m.def("combine_apply", &combine_apply, "combine's forward replayed, with a C++ autograd node");
+  m.def(
+      "node_storage",
+      [] {
+        return py::make_tuple(NodeStorage<PreBackward>::free_blocks(),
+                              NodeStorage<CombineBackward>::free_blocks());
+      },
+      "the freed pre and combine nodes' blocks held for reuse (pre's, the combine's)");
   py::module torch_module = py::module::import("torch");
   tensor_type = reinterpret_cast<PyTypeObject*>(  // (held for the process's lifetime)
       py::object(torch_module.attr("Tensor")).release().ptr());
