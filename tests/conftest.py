@@ -2,7 +2,9 @@
 
 Without CUDA the Triton kernels run in Triton's interpreter. The switch must be set before
 anything imports triton (megatron-core does), because triton.language's own jit helpers
-(``tl.zeros``, ...) are built in the mode that is active at import time.
+(``tl.zeros``, ...) are built in the mode that is active at import time. The interpreter's
+fp32 ``tl.dot`` is made exact (:mod:`mhc_testing.triton_interpreter`): as on a GPU, an
+output element's bits then do not depend on the tile it is in.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import pytest  # noqa: E402
 
 from mhc_testing import warning_filters  # noqa: E402
 from mhc_testing.cpu import init_single_process_group, setup_cpu_megatron  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # a GPU's tl.dot: per element, any tile
+    from mhc_testing.triton_interpreter import exact_fp32_dots
+
+    exact_fp32_dots()
 
 
 def pytest_configure(config):

@@ -234,9 +234,18 @@ def test_deepseek_v4_preset_triton_backend_matches_reference(seeded, monkeypatch
         return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
     # against the float64 reference: the kernels within tol, or (a sum of many terms of
-    # mixed sign, e.g. alpha's gradient) within twice the fp32 reference's own error
+    # mixed sign, e.g. alpha's gradient) within twice the fp32 reference's own error on that
+    # module's parameters: a mapping's or head's phi, alpha and bias gradients are sums of
+    # the same per-token gradient, so they share its fp32 accuracy, and one of them can land
+    # nearer the float64 value by chance
     tol = 2e-3 if device == "cuda" else 1e-5
     assert rel(loss_t, loss_64) < tol
+    ref_errs = {name: rel(grads_r[name], g) for name, g in grads_64.items()}
+    module_ref_err = {}
+    for name, ref_err in ref_errs.items():
+        module = name.rsplit(".", 1)[0]
+        module_ref_err[module] = max(module_ref_err.get(module, 0.0), ref_err)
     for name, g in grads_64.items():
-        err, ref_err = rel(grads_t[name], g), rel(grads_r[name], g)
-        assert err < max(tol, 2 * ref_err), f"{name}: {err:.2e} (fp32 reference {ref_err:.2e})"
+        err, ref_err = rel(grads_t[name], g), module_ref_err[name.rsplit(".", 1)[0]]
+        assert err < max(tol, 2 * ref_err), (
+            f"{name}: {err:.2e} (fp32 reference, its module's largest: {ref_err:.2e})")
