@@ -266,8 +266,8 @@ def pre_at_site(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: t
                 or getattr(bias, "main_grad", None) is not mains[2]
                 or not (phi.requires_grad and alpha.requires_grad and bias.requires_grad)):
             return None
-        return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias,
-                                               list(mains), (phi, alpha, bias))
+        return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias, mains,
+                                               (phi, alpha, bias))
     if mains is not None:
         return None
     return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias, None, None)

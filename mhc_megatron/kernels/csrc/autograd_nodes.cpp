@@ -563,7 +563,7 @@ void check_arguments(const char* name, Py_ssize_t given, Py_ssize_t expected) {
 // pre_fast(site, x, phi, alpha, bias, main_grads, params): pre at the module's call site, the
 // link made here from x (where x needs a gradient): (y, h_pre, h_post, h_res), or None where
 // the call is not one the site replays (the module then takes the op's Python path).
-// main_grads: a list of the parameters' main_grad buffers, or None; params: with them, the
+// main_grads: a sequence of the parameters' main_grad buffers, or None; params: with them, the
 // parameters (to flag).
 PyObject* pre_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
