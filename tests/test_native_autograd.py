@@ -596,6 +596,7 @@ def _stand_in_site(monkeypatch, phi, args, mains=None):
     monkeypatch.setattr(host_replay, "_extension", ext)
     monkeypatch.setattr(host_replay, "_ENABLED", True)
     monkeypatch.setattr(native_autograd, "_signing_off", lambda: False)  # (as on a GPU host)
+    monkeypatch.setattr(native_autograd, "_launch_path_off", lambda: False)
     monkeypatch.setattr(native_autograd, "_SITES", {})
     site = native_autograd._SITES[id(phi)] = native_autograd.CallSite(phi, args, _StandInSite(),
                                                                       mains)
@@ -630,7 +631,7 @@ def test_the_module_calls_take_only_what_their_site_replays(monkeypatch):
     monkeypatch.setattr(host_replay, "_ENABLED", False)
     assert pre() is None
     monkeypatch.setattr(host_replay, "_ENABLED", True)
-    for name in ("_signing_off", "_transforms_active", "_compiling"):  # (hooks, vmap, compile)
+    for name in ("_launch_path_off", "_transforms_active", "_compiling"):  # (hooks, vmap, compile)
         monkeypatch.setattr(native_autograd, name, lambda: True)
         assert pre() is None, name
         monkeypatch.setattr(native_autograd, name, lambda: False)

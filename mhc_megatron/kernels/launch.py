@@ -120,8 +120,16 @@ def signature_with_alignment(*tensors) -> tuple | None:
 
 
 def _signing_off() -> bool:
+    """Whether launches go through Triton's own launcher now: ``torch.compile`` traces, or
+    :func:`_launch_path_off`."""
+    return _compiling() or _launch_path_off()
+
+
+def _launch_path_off() -> bool:
+    """Whether launches go through Triton's own launcher for a reason other than a trace: the
+    direct path is off, or a launch hook is set."""
     return ((Launcher._disabled is not None and Launcher._off_reason() is not None)
-            or _compiling() or _launch_hooks())
+            or _launch_hooks())
 
 
 class LaunchPlan:
@@ -303,26 +311,22 @@ def _compiled_launch(kernel) -> tuple:
 _DIRECT_C_LAUNCH = ((3, 6),)
 
 
-def _launch_hooks() -> bool:
-    """Whether a launch enter or exit hook is set (see :func:`_hooked`)."""
-    runtime = _RUNTIME_KNOBS
-    return runtime is not None and (_hooked(runtime.launch_enter_hook)
-                                    or _hooked(runtime.launch_exit_hook))
-
-
 # triton's runtime knobs, where a profiler sets its launch hooks (triton.knobs.runtime: one
 # object for the process, whose hook attributes are read on every call)
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
-
-
-def _hooked(hook) -> bool:
-    """Whether a launch hook is set: triton 3.6+ keeps an empty ``HookChain`` by default
-    (which Triton's launcher calls on every launch; ours skips it), a profiler adds to it or
-    replaces it."""
-    return hook is not None and (type(hook) is not _HOOK_CHAIN or bool(hook.calls))
-
-
 _HOOK_CHAIN = getattr(getattr(triton, "knobs", None), "HookChain", None)
+
+
+def _launch_hooks() -> bool:
+    """Whether a launch enter or exit hook is set: triton 3.6+ keeps an empty ``HookChain``
+    by default (which Triton's launcher calls on every launch; ours skips it), a profiler adds
+    to it or replaces it. (One function, no helper per hook: this runs on every op call.)"""
+    runtime = _RUNTIME_KNOBS
+    if runtime is None:
+        return False
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is not None and (type(enter) is not _HOOK_CHAIN or bool(enter.calls)))
+            or (leave is not None and (type(leave) is not _HOOK_CHAIN or bool(leave.calls))))
 
 
 def pre_run_hooks(fn) -> bool:

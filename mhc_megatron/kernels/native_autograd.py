@@ -63,7 +63,7 @@ import weakref
 import torch
 
 from mhc_megatron.kernels import host_replay
-from mhc_megatron.kernels.launch import _compiling, _signing_off
+from mhc_megatron.kernels.launch import _compiling, _launch_path_off, _signing_off
 from mhc_megatron.kernels.triton_common import PLANS
 
 _ENABLED = os.environ.get("MHC_NATIVE_AUTOGRAD", "1") != "0"
@@ -234,12 +234,12 @@ def module_calls_enabled() -> bool:
 
 def _module_site(phi: torch.Tensor) -> CallSite | None:
     """``phi``'s call site where a module's call may replay from it now, else None."""
-    if not (_MODULE_CALLS and _ENABLED and _SITES_ENABLED and host_replay._ENABLED) \
-            or _compiling():  # (first: torch.compile traces no further)
-        return None
+    if (not (_MODULE_CALLS and _ENABLED and _SITES_ENABLED and host_replay._ENABLED)
+            or _compiling() or _launch_path_off() or _transforms_active()):
+        return None  # (_compiling first: torch.compile traces no further)
     site = _SITES.get(id(phi))
-    if site is None or site.phi() is not phi or not site.current() or _transforms_active():
-        return None
+    if site is None or site.generation != PLANS.generation or site.phi() is not phi:
+        return None  # (CallSite.current, with the launch checks made above)
     return site
 
 

@@ -14,7 +14,7 @@ from mhc_megatron.config import MHCTransformerConfig, mhc_setting
 from mhc_megatron.kernels import select_ops, site_ops
 from mhc_megatron.kernels.reference import PAPER, num_mapping_coefficients
 from mhc_megatron.layers.streams import is_broadcast_streams
-from mhc_megatron.recompute.manager import record_as, run_recorded
+from mhc_megatron.recompute.manager import active_recompute_block, record_as, run_recorded
 
 # Static part of the mapping at step 0 (the dynamic part is O(mhc_init_gating_factor)).
 # ``mhc_init_static_mapping="zero"`` (the default): an all-zero bias (H_pre = 1/2,
@@ -218,12 +218,14 @@ class HyperConnectionModule(MappingParameters):
         config = self.config
         ops = site_ops() if config.mhc_kernel_backend != "reference" else None
         if ops is not None:
-            outs = ops.pre_at_site(streams, self.phi, self.alpha, self.bias,
+            params = self._parameters  # (what self.phi reads, without Module.__getattr__)
+            outs = ops.pre_at_site(streams, params["phi"], params["alpha"], params["bias"],
                                    (config.mhc_sinkhorn_iterations, config.mhc_rms_eps, self.n,
                                     self.mapping), config.gradient_accumulation_fusion)
             if outs is not None:
                 y, h_pre, h_post, h_res = outs
-                record_as(y, ops.aggregate, streams, h_pre, n=self.n)  # (as below)
+                if active_recompute_block() is not None:
+                    record_as(y, ops.aggregate, streams, h_pre, n=self.n)  # (as below)
                 return y, StreamMappings(h_pre, h_post, h_res)
         x, n = self._op_input(streams)
         ops = self._ops(streams)
@@ -260,10 +262,11 @@ class HyperConnectionModule(MappingParameters):
             # a call like the last one replays from its site (combine_at_site), which checks
             # the streams and f against what that call checked below
             out = ops.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
-                                      self.phi, self.n)
+                                      self._parameters["phi"], self.n)
             if out is not None:
-                record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
-                          mappings.h_post, n=self.n)  # (as run_recorded below)
+                if active_recompute_block() is not None:
+                    record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
+                              mappings.h_post, n=self.n)  # (as run_recorded below)
                 return out
         x, n = self._op_input(streams)
         self._check_sublayer_output(streams, f)

@@ -654,6 +654,11 @@ def sublayer_saving() -> SublayerSaving | None:
     return SublayerSaving(state)
 
 
+# The recompute block open in this context, or None (the context variable's own ``get``: a
+# call without a Python frame, for the ops' hot paths to skip :func:`record_as` outside blocks)
+active_recompute_block = _ACTIVE_BLOCK.get
+
+
 def run_recorded(fn: Callable, *args: Any, **kwargs: Any):
     """``fn(*args, **kwargs)``; inside a recompute block its outputs are recorded so that the
     tensors autograd saves from them are recomputed in backward instead of kept."""
