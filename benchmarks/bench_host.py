@@ -722,7 +722,9 @@ def recompute_split_rows(args) -> list[str]:
     step. The mHC model with and without recompute, their steps interleaved one by one
     (:func:`paired_steps`); in the recompute's steps the host time spent in each piece of
     :mod:`mhc_megatron.recompute.manager` (forward: a sublayer's saving scope, the hooks'
-    switches, the ops' records; backward, on autograd's device thread: the unpack hook's
+    switches, the ops' records made after their calls, those of calls that missed their site
+    (a module's call at its site records inside the call); backward, on autograd's device
+    thread: the unpack hook's
     calls, of which the block replays), per sublayer, beside the paired steps' difference."""
     from mhc_megatron.layers import hyper_connection, transformer_layer
     from mhc_megatron.recompute import manager as rm
@@ -736,7 +738,8 @@ def recompute_split_rows(args) -> list[str]:
     run = "mHC + recompute"  # (timed in the recompute's steps only: mHC's calls some pieces)
     unpack = "backward: the saved tensors' unpack hook (with the block replays)"
     labels = ["forward: SublayerSaving (hooks pushed)", "forward: hooks on / off / close",
-              "forward: records of pre's aggregate and the combine", unpack,
+              "forward: records of pre's aggregate and the combine after the call (record_as:"
+              " a call that missed its site; a site call records inside the call)", unpack,
               "backward: the block replays alone"]
     try:
         timers.wrap(labels[0], rm, "sublayer_saving", (transformer_layer,))
@@ -845,6 +848,10 @@ def recompute_phases_rows(args) -> list[str]:
     transformer_layer.sublayer_saving = lambda: None if mode[0].startswith("no") else saving()
     hyper_connection.record_as = lambda *a, **k: (None if mode[0] == "no hooks, no records"
                                                   else record_as(*a, **k))
+    # (the module's site calls record inside the call: no record handed to them either)
+    site_record = hyper_connection.HyperConnectionModule._site_record
+    hyper_connection.HyperConnectionModule._site_record = lambda self, block, fn: (
+        None if mode[0] == "no hooks, no records" else site_record(self, block, fn))
     hyper_connection.run_recorded = lambda *a, **k: (
         no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
     runs = {"baseline": ("baseline", "all"), "mHC": ("mHC", "all"),
@@ -879,6 +886,7 @@ def recompute_phases_rows(args) -> list[str]:
     finally:
         transformer_layer.sublayer_saving = saving
         hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
+        hyper_connection.HyperConnectionModule._site_record = site_record
         rm.set_native_replay(native_replay)
     lines = [f"{name}'s step (medians): forward "
              f"{1e3 * statistics.median(t[0] for t in times[name]):.2f} ms, backward "

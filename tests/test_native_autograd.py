@@ -533,6 +533,45 @@ def test_the_module_calls_hand_combines_dx_to_pre_as_the_ops_do(monkeypatch, sam
 
 
 @pytest.mark.gpu
+def test_the_module_calls_record_what_the_ops_path_records(monkeypatch):
+    """Inside an ``mhc_recompute`` block (the extension's ranges), a module's pre and combine
+    at their site record, in the call, what the ops' path records after its calls: the same
+    ops (the aggregate, the combine) with the same keywords, dependencies and arguments (the
+    second pre's streams as the block's view of the combine's output; the others kept as
+    tensors of the same geometry), and no ``record_as`` call after them."""
+    skip_without_host_replay()
+    from mhc_megatron.layers import hyper_connection
+    from mhc_megatron.recompute import manager as rm
+
+    hc, streams = _module_and_streams()
+    for _ in range(3):  # (the sites)
+        _module_sublayer(hc, streams)
+    after = []
+    record_as = hyper_connection.record_as
+    monkeypatch.setattr(hyper_connection, "record_as",
+                        lambda *a, **k: (after.append(a[1]), record_as(*a, **k)))
+
+    def describe(a):
+        if isinstance(a, torch.Tensor):
+            return "tensor", tuple(a.shape), a.stride(), a.dtype, a.requires_grad
+        return a  # (an _OutputView, None)
+
+    recorded = {}
+    for calls in (False, True):
+        monkeypatch.setattr(native_autograd, "_MODULE_CALLS", calls)
+        after.clear()
+        with torch.enable_grad(), rm.MHCRecomputeManager(1).layer_scope(1) as block:
+            y, maps = hc.pre(streams)
+            out = hc.combine(streams, (1.25 * y, None), maps, 0.0, True)
+            hc.pre(out)
+        assert block.native and len(after) == (0 if calls else 2), (calls, after)
+        recorded[calls] = [(fn, [describe(a) for a in args], kwargs, deps)
+                           for fn, args, kwargs, deps in block.ranges.recorded_ops(rm._OutputView)]
+    assert len(recorded[True]) == 3 and recorded[True] == recorded[False]
+    assert isinstance(recorded[True][2][1][0], rm._OutputView)  # (the combine's output)
+
+
+@pytest.mark.gpu
 def test_the_nodes_storage_is_reused():
     """A freed node's storage goes onto its type's free list (the extension's
     ``NodeStorage``) and the next node of that type takes it: a sublayer's forward takes one
@@ -576,13 +615,16 @@ class _StandInExtension:
 
     def __init__(self):
         self.calls = []
+        self.records = []  # what each call was handed to record in a recompute block
 
-    def pre_fast(self, capsule, x, phi, alpha, bias, mains, params):
+    def pre_fast(self, capsule, x, phi, alpha, bias, mains, params, record):
         self.calls.append(("pre", capsule, mains, params))
+        self.records.append(record)
         return ("y", "h_pre", "h_post", "h_res")
 
-    def combine_fast(self, capsule, x, f, f_bias, h_res, h_post):
+    def combine_fast(self, capsule, x, f, f_bias, h_res, h_post, record):
         self.calls.append(("combine", capsule))
+        self.records.append(record)
         return "out"
 
 
@@ -697,3 +739,55 @@ def test_a_module_on_the_reference_backend_never_takes_the_module_calls(monkeypa
     assert ext.calls == [] and out.shape == streams.shape
     hc.config.mhc_kernel_backend = "auto"  # (on the CPU: the stand-in's site takes the calls)
     assert hc.pre(streams)[0] == "y" and ext.calls[-1][0] == "pre"
+
+
+def test_the_module_calls_record_in_the_open_recompute_block(monkeypatch):
+    """Inside an ``mhc_recompute`` block with C++ ranges, a module's pre and combine at their
+    site hand the extension the block's ranges and the op to record the call as (pre: the
+    aggregate; the combine: the combine; with the module's ``n``), recorded in that call, and
+    record nothing after it; with the Python ranges they hand none and ``record_as`` records
+    each call after it returns; outside a block, nothing is recorded."""
+    from helpers import tiny_config
+
+    from mhc_megatron.kernels import dispatch
+    from mhc_megatron.layers import hyper_connection
+    from mhc_megatron.layers.hyper_connection import HyperConnectionModule
+    from mhc_megatron.recompute import manager as rm
+
+    hc = HyperConnectionModule(tiny_config(mhc_kernel_backend="auto"))  # (the stand-in's site)
+    n, C = hc.n, hc.hidden_size
+    ext, site = _stand_in_site(monkeypatch, hc.phi, (hc.config.mhc_sinkhorn_iterations,
+                                                     hc.config.mhc_rms_eps, n, hc.mapping))
+    site.combine_capsule, site.combine_n = "combine capsule", n
+    monkeypatch.setattr(dispatch, "_triton_ops", dispatch._load_triton_ops())
+    ops = dispatch._triton_ops
+    after = []
+    monkeypatch.setattr(hyper_connection, "record_as", lambda out, fn, *a, **k: after.append(fn))
+    streams = torch.randn(3, 2, n * C, requires_grad=True)
+
+    def sublayer():
+        y, maps = hc.pre(streams)
+        hc.combine(streams, (torch.zeros(3, 2, C), None), maps, 0.0, True)
+
+    sublayer()  # (no block)
+    assert ext.records == [None, None] and after == []
+
+    class CppRanges:  # (a stand-in for the extension's SavedRanges: not the Python ranges)
+        def __init__(self, block_ref):
+            self.pack = None
+
+    manager = rm.MHCRecomputeManager(1)
+    for ranges, native in ((CppRanges, True), (rm._AddressRanges, False)):
+        monkeypatch.setattr(rm, "_hooks", lambda ranges=ranges: (ranges, lambda obj: obj))
+        ext.records.clear()
+        manager.reset()
+        with torch.enable_grad(), manager.layer_scope(1) as block:
+            sublayer()
+        assert block.native is native
+        if native:
+            assert [(r[0], r[1], r[2]) for r in ext.records] == [
+                (block.ranges, ops.aggregate, {"n": n}), (block.ranges, ops.combine, {"n": n})]
+            assert after == []
+        else:
+            assert ext.records == [None, None] and after == [ops.aggregate, ops.combine]
+

@@ -244,7 +244,7 @@ def _module_site(phi: torch.Tensor) -> CallSite | None:
 
 
 def pre_at_site(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
-                args: tuple, main_grads: bool) -> tuple | None:
+                args: tuple, main_grads: bool, record: tuple | None = None) -> tuple | None:
     """A :class:`~mhc_megatron.layers.hyper_connection.HyperConnectionModule`'s pre (the
     Triton op's ``pre(x, phi, alpha, bias, *args[:2], n=args[2], form=args[3],
     main_grads=main_grads)``) in one call into the extension, from the site its last call on
@@ -253,7 +253,10 @@ def pre_at_site(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: t
     which checks everything and makes a new site where it can). The extension checks the
     operands against the site (plain tensors, dtypes, shapes, strides, alignment, device,
     stream, no CUDA graph capture) and that autograd records the call; here: the other
-    arguments and the ``main_grad`` buffers, which must be the ones the site was made with."""
+    arguments and the ``main_grad`` buffers, which must be the ones the site was made with.
+    ``record``: None, or ``(ranges, fn, kwargs)``, the open ``mhc_recompute`` block's C++ ranges
+    and the op to record the call as there, ``fn(x, h_pre, **kwargs)`` returning ``y`` (what
+    :func:`~mhc_megatron.recompute.manager.record_as` records), in the same call."""
     site = _module_site(phi)
     if site is None or site.args != args:
         return None
@@ -267,21 +270,25 @@ def pre_at_site(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: t
                 or not (phi.requires_grad and alpha.requires_grad and bias.requires_grad)):
             return None
         return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias, mains,
-                                               (phi, alpha, bias))
+                                               (phi, alpha, bias), record)
     if mains is not None:
         return None
-    return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias, None, None)
+    return host_replay._extension.pre_fast(site.pre_capsule, x, phi, alpha, bias, None, None,
+                                           record)
 
 
 def combine_at_site(x: torch.Tensor, f: torch.Tensor, f_bias: torch.Tensor | None,
                     h_res: torch.Tensor, h_post: torch.Tensor, phi: torch.Tensor,
-                    n: int | None) -> torch.Tensor | None:
+                    n: int | None, record: tuple | None = None) -> torch.Tensor | None:
     """The module's combine (the Triton op's ``combine(x, f, f_bias, h_res, h_post, n=n)``) in
     one call into the extension, from the combine's site beside ``phi``'s: ``x'``, the same
     node, link and bits as the op's path; or None where the call is not one the site replays,
     or ``h_res`` does not come from one of the C++ pre nodes (the module then calls the op).
-    The extension takes the link of ``h_res``'s pre node where ``x`` is that pre's ``x``."""
+    The extension takes the link of ``h_res``'s pre node where ``x`` is that pre's ``x``.
+    ``record``: as :func:`pre_at_site`'s, the call recorded as ``fn(x, f, f_bias, h_res,
+    h_post, **kwargs)`` returning ``x'``."""
     site = _module_site(phi)
     if site is None or site.combine_capsule is None or site.combine_n != n:
         return None
-    return host_replay._extension.combine_fast(site.combine_capsule, x, f, f_bias, h_res, h_post)
+    return host_replay._extension.combine_fast(site.combine_capsule, x, f, f_bias, h_res, h_post,
+                                               record)

@@ -165,6 +165,9 @@ class HyperConnectionModule(MappingParameters):
         super().__init__(config, hidden_size, num_mapping_coefficients(config.num_residual_streams),
                          alphas=3)
         self.mapping = getattr(config, "mhc_mapping", PAPER)
+        # the keywords the module's recorded op calls take (one dict, shared by the records:
+        # a recompute block's replay only reads it)
+        self._record_kwargs = {"n": self.n}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -219,12 +222,14 @@ class HyperConnectionModule(MappingParameters):
         ops = site_ops() if config.mhc_kernel_backend != "reference" else None
         if ops is not None:
             params = self._parameters  # (what self.phi reads, without Module.__getattr__)
+            block = active_recompute_block()
+            record = None if block is None else self._site_record(block, ops.aggregate)
             outs = ops.pre_at_site(streams, params["phi"], params["alpha"], params["bias"],
                                    (config.mhc_sinkhorn_iterations, config.mhc_rms_eps, self.n,
-                                    self.mapping), config.gradient_accumulation_fusion)
+                                    self.mapping), config.gradient_accumulation_fusion, record)
             if outs is not None:
                 y, h_pre, h_post, h_res = outs
-                if active_recompute_block() is not None:
+                if block is not None and not block.native:  # (else recorded in the call)
                     record_as(y, ops.aggregate, streams, h_pre, n=self.n)  # (as below)
                 return y, StreamMappings(h_pre, h_post, h_res)
         x, n = self._op_input(streams)
@@ -261,10 +266,12 @@ class HyperConnectionModule(MappingParameters):
         if ops is not None:
             # a call like the last one replays from its site (combine_at_site), which checks
             # the streams and f against what that call checked below
+            block = active_recompute_block()
+            record = None if block is None else self._site_record(block, ops.combine)
             out = ops.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
-                                      self._parameters["phi"], self.n)
+                                      self._parameters["phi"], self.n, record)
             if out is not None:
-                if active_recompute_block() is not None:
+                if block is not None and not block.native:  # (else recorded in the call)
                     record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
                               mappings.h_post, n=self.n)  # (as run_recorded below)
                 return out
@@ -275,6 +282,13 @@ class HyperConnectionModule(MappingParameters):
         out = run_recorded(self._ops(streams).combine, x, f, f_bias, mappings.h_res,
                            mappings.h_post, n=n)
         return out if n is not None else out.view(*streams.shape[:2], self.n * self.hidden_size)
+
+    def _site_record(self, block, fn) -> tuple | None:
+        """What a call at the module's site records in the open ``mhc_recompute`` block
+        ``block``, in the same call into the extension: ``(the block's C++ ranges, fn,
+        {"n": n})``, or None where the block's ranges are Python (the call is then recorded
+        after it returns, by :func:`~mhc_megatron.recompute.record_as`)."""
+        return (block.ranges, fn, self._record_kwargs) if block.native else None
 
     def _check_sublayer_output(self, streams: Tensor, f: Tensor) -> None:
         """A ValueError unless ``f`` is ``[s, b, C]`` for the streams ``[s, b, ...]``."""

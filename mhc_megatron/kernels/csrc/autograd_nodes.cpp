@@ -560,14 +560,34 @@ void check_arguments(const char* name, Py_ssize_t given, Py_ssize_t expected) {
   }
 }
 
-// pre_fast(site, x, phi, alpha, bias, main_grads, params): pre at the module's call site, the
-// link made here from x (where x needs a gradient): (y, h_pre, h_post, h_res), or None where
-// the call is not one the site replays (the module then takes the op's Python path).
+// A module's call, replayed at its site, recorded in the open mhc_recompute block as the op
+// `fn(*op_args, **kwargs)` that returned `output`, where `record` is `(ranges, fn, kwargs)` (the
+// block's C++ ranges), not None: what recompute.manager.record_as records after the call.
+void record_at_site(PyObject* record, std::initializer_list<PyObject*> op_args,
+                    PyObject* output) {
+  if (record == Py_None) return;
+  if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 3) {
+    throw std::invalid_argument("the module call's record must be (ranges, fn, kwargs) or None");
+  }
+  BlockOutputs* block = block_outputs_of(PyTuple_GET_ITEM(record, 0));
+  if (block == nullptr) {
+    throw std::invalid_argument("the module call's record names no mhc_recompute block ranges");
+  }
+  py::tuple packed(op_args.size());
+  size_t i = 0;
+  for (PyObject* a : op_args) packed[i++] = py::reinterpret_borrow<py::object>(a);
+  block->record(PyTuple_GET_ITEM(record, 1), packed, PyTuple_GET_ITEM(record, 2), output);
+}
+
+// pre_fast(site, x, phi, alpha, bias, main_grads, params, record): pre at the module's call
+// site, the link made here from x (where x needs a gradient): (y, h_pre, h_post, h_res), or
+// None where the call is not one the site replays (the module then takes the op's Python path).
 // main_grads: a sequence of the parameters' main_grad buffers, or None; params: with them, the
-// parameters (to flag).
+// parameters (to flag); record: None, or (ranges, fn, kwargs) to record the call in the open
+// mhc_recompute block as fn(x, h_pre, **kwargs) returning y (record_at_site).
 PyObject* pre_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  check_arguments("pre_fast", nargs, 7);
+  check_arguments("pre_fast", nargs, 8);
   const Site& site = site_of_capsule(args[0]);
   for (int i = 1; i < 5; ++i) {
     if (!plain_tensor(args[i])) Py_RETURN_NONE;
@@ -587,20 +607,27 @@ PyObject* pre_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       pre_apply(site.table, x, phi, alpha, bias, site.scratch,
                 x.requires_grad() ? std::make_shared<Link>(x) : nullptr, std::move(main_grads),
                 std::move(params));
-  PyObject* tuple = PyTuple_New(4);
-  if (tuple == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < 4; ++i) PyTuple_SET_ITEM(tuple, i, THPVariable_Wrap(outs[i]));
-  return tuple;
+  py::tuple tuple(4);
+  for (Py_ssize_t i = 0; i < 4; ++i) {
+    PyObject* wrapped = THPVariable_Wrap(outs[i]);
+    if (wrapped == nullptr) return nullptr;
+    PyTuple_SET_ITEM(tuple.ptr(), i, wrapped);
+  }
+  record_at_site(args[7], {args[1], PyTuple_GET_ITEM(tuple.ptr(), 1)},
+                 PyTuple_GET_ITEM(tuple.ptr(), 0));
+  return tuple.release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
-// combine_fast(site, x, f, f_bias or None, h_res, h_post): the combine at the module's call
-// site on the mappings of one of our pre nodes (h_res's grad_fn), taking that pre's link where
-// x is its x: x', or None where the call is not one the site replays or the mappings come from
-// elsewhere (a Python autograd function's, whose link the op's Python path finds).
+// combine_fast(site, x, f, f_bias or None, h_res, h_post, record): the combine at the module's
+// call site on the mappings of one of our pre nodes (h_res's grad_fn), taking that pre's link
+// where x is its x: x', or None where the call is not one the site replays or the mappings come
+// from elsewhere (a Python autograd function's, whose link the op's Python path finds); record:
+// None, or (ranges, fn, kwargs) to record the call in the open mhc_recompute block as
+// fn(x, f, f_bias, h_res, h_post, **kwargs) returning x' (record_at_site).
 PyObject* combine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  check_arguments("combine_fast", nargs, 6);
+  check_arguments("combine_fast", nargs, 7);
   const Site& site = site_of_capsule(args[0]);
   for (int i = 1; i < 6; ++i) {
     if (!(i == 3 && args[i] == Py_None) && !plain_tensor(args[i])) Py_RETURN_NONE;
@@ -617,7 +644,11 @@ PyObject* combine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::shared_ptr<Link> link = pre->link_ && pre->link_->claim(x) ? pre->link_ : nullptr;
   std::optional<at::Tensor> f_bias;
   if (bias.defined()) f_bias = bias;
-  return THPVariable_Wrap(combine_apply(site.table, x, f, f_bias, h_res, h_post, std::move(link)));
+  py::object out = py::reinterpret_steal<py::object>(
+      THPVariable_Wrap(combine_apply(site.table, x, f, f_bias, h_res, h_post, std::move(link))));
+  if (!out) return nullptr;
+  record_at_site(args[6], {args[1], args[2], args[3], args[4], args[5]}, out.ptr());
+  return out.release().ptr();
   END_HANDLE_TH_ERRORS
 }
 

@@ -45,7 +45,15 @@ class BlockOutputs {
   // in C++), the output's op counted among the packed ones; else nullptr. Needs the GIL.
   virtual std::unique_ptr<torch::autograd::SavedVariableHooks> placeholder_hooks(
       const at::Tensor& t) = 0;
+  // Record op `fn(*args, **kwargs)`, which returned `output`, as the block's next op (the
+  // ranges' `record`, its arguments given as a tuple). Needs the GIL.
+  virtual void record(const pybind11::handle& fn, const pybind11::tuple& args,
+                      const pybind11::handle& kwargs, const pybind11::handle& output) = 0;
 };
+
+// The block outputs `ranges` is (an mhc_recompute block's C++ ranges, `SavedRanges`), or
+// nullptr for any other object.
+BlockOutputs* block_outputs_of(const pybind11::handle& ranges);
 
 // The block whose pack hook is on top of autograd's saved-tensor hooks on this thread, or
 // nullptr (other hooks, none, or a torch that cannot save past them). Needs the GIL.

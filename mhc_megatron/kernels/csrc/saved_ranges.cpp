@@ -205,6 +205,10 @@ BlockOutputs* block_outputs_on_top() {
   }
 }
 
+BlockOutputs* block_outputs_of(const py::handle& ranges) {
+  return py::isinstance<SavedRanges>(ranges) ? ranges.cast<SavedRanges*>() : nullptr;
+}
+
 torch::autograd::SavedVariable save_variable(const at::Tensor& t, BlockOutputs* block) {
   return save_past_block<at::SavedTensorDefaultHooks>(t, block);
 }

@@ -114,7 +114,7 @@ class MHC_MODULE_LOCAL SavedRanges : public BlockOutputs {
   // subclass) is detached by its own Python `detach`, as the Python ranges do. No Python object
   // is made for a plain tensor or a view: recorded_ops makes them for a Python replay.
   void record(const py::handle& fn, const py::tuple& args, const py::handle& kwargs,
-              const py::handle& outputs);
+              const py::handle& outputs) override;
 
   // The recorded ops as a Python replay takes them: a list of `(fn, packed, kwargs, deps)`,
   // `packed` the tuple of the op's arguments with each view of an output as
