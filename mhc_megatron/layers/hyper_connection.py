@@ -229,7 +229,7 @@ class HyperConnectionModule(MappingParameters):
                                     self.mapping), config.gradient_accumulation_fusion, record)
             if outs is not None:
                 y, h_pre, h_post, h_res = outs
-                if block is not None and not block.native:  # (else recorded in the call)
+                if block is not None and record is None:  # (else recorded in the call)
                     record_as(y, ops.aggregate, streams, h_pre, n=self.n)  # (as below)
                 return y, StreamMappings(h_pre, h_post, h_res)
         x, n = self._op_input(streams)
@@ -271,7 +271,7 @@ class HyperConnectionModule(MappingParameters):
             out = ops.combine_at_site(streams, f, f_bias, mappings.h_res, mappings.h_post,
                                       self._parameters["phi"], self.n, record)
             if out is not None:
-                if block is not None and not block.native:  # (else recorded in the call)
+                if block is not None and record is None:  # (else recorded in the call)
                     record_as(out, ops.combine, streams, f, f_bias, mappings.h_res,
                               mappings.h_post, n=self.n)  # (as run_recorded below)
                 return out
