@@ -17,6 +17,11 @@ so wall time is host time:
   thread), one sublayer a backward call and 8 chained into one call (a model's step pays
   the call's own cost once), per sublayer, against the sum of the direct calls; and what a
   Python autograd node costs through the engine, on this device and on the CPU;
+* mHC's sublayers of the dense model (layers 2 to 4) as their layers run them, pre and the
+  combine as the module's calls around a null body, chained, one backward call, per
+  sublayer: for mHC and for mHC + ``mhc_recompute`` (its saving scopes, records, hooks and
+  replays), so their difference is the recompute's host cost a sublayer without the noise of
+  Megatron's sublayers around it;
 * the physical floor: the host time of as many empty Triton kernel launches as one
   sublayer's ops make (forward and backward), through our launcher and through Triton's own,
   beside the sum of the four ops' host times (CUDA only);
@@ -337,6 +342,64 @@ def sublayers_through_engine(tokens: int, hidden: int, depth: int, ops=None):
             leaf.grad = None
 
     return run
+
+
+def sublayers_as_layers_run_them(model, tokens: int):
+    """The mHC sublayers of ``model``'s layers 2 and on (streams ``[s, b, n*C]`` in and out,
+    ``tokens`` x 1),
+    each as its layer runs it (:func:`~mhc_megatron.layers.transformer_layer.run_sublayer`:
+    pre and the combine as the module's calls, with ``mhc_recompute`` the sublayer's saving
+    scope and records, inside its layer's recompute block) around a null body (the combine
+    takes ``y`` as the sublayer's output), chained, then one ``torch.autograd.backward`` of
+    the last streams; the mapping parameters' gradients dropped after each call. What mHC's
+    layer code and ops cost a sublayer, without the noise of Megatron's sublayers around
+    them. Returns ``(run, sublayers)``."""
+    from mhc_megatron.layers.transformer_layer import (_StreamCombine, recompute_scope,
+                                                       run_sublayer)
+
+    model.train()
+    chain = []
+    for layer in model.decoder.layers[1:]:
+        for hc in (layer.self_attention_hyper_connection, layer.mlp_hyper_connection):
+            combine = _StreamCombine(hc)  # (no reader of y to watch: the body is null)
+            chain.append((layer, hc, combine,
+                          lambda y, c=combine: c(True, False)((y, None), None, 0.0)))
+    config = model.config
+    x0 = torch.randn(tokens, 1, N * config.hidden_size, device=DEVICE, dtype=torch.bfloat16,
+                     requires_grad=True)
+    dout = torch.randn_like(x0)
+    leaves = [x0] + [p for _, hc, _, _ in chain for p in hc.parameters()]
+
+    def run():
+        x = x0
+        for layer, hc, combine, body in chain:
+            with recompute_scope(layer):
+                x = run_sublayer(body, hc, combine, x)
+        torch.autograd.backward(x, dout)
+        for leaf in leaves:
+            leaf.grad = None
+
+    return run, len(chain)
+
+
+def layer_chain_rows(args, models: dict | None = None) -> list[str]:
+    """Per sublayer, the host time of :func:`sublayers_as_layers_run_them` for the dense
+    model's mHC and mHC + ``mhc_recompute`` (``models``: name -> model, else built here),
+    median over ``--iters`` calls."""
+    if models is None:
+        shape = _dense_shape(args)
+        models = {name: build(shape, "local", True, recompute, DEVICE)[0]
+                  for name, recompute in (("mHC", False), ("mHC + recompute", True))}
+    rows = []
+    for name, model in models.items():
+        run, count = sublayers_as_layers_run_them(model, args.tokens)
+        for _ in range(WARMUP):
+            run()
+        rows.append(f"| one sublayer as {name}'s layer runs it (pre and the combine module "
+                    f"calls around a null body; {count} chained, one backward call; per "
+                    f"sublayer) | {host_us(run, args.iters) / count:.1f} | "
+                    f"{launches_and_allocations(run)[0] // count} | |")
+    return rows
 
 
 class _PassThrough(torch.autograd.Function):
@@ -1107,7 +1170,9 @@ def replay_ab_rows(args) -> list[str]:
 def ab_rows(args, modes) -> list[str]:
     """Two modes of the ops' host path (``modes``: ``(name, context factory)`` each) in one
     process, alternating ``--rounds`` times: per op, for ``ENGINE_DEPTH`` sublayers chained
-    through autograd (per sublayer), and for the dense model's baseline, mHC and mHC +
+    through autograd (per sublayer), for the mHC models' sublayers as their layers run them
+    (:func:`sublayers_as_layers_run_them`, per sublayer), and for the dense model's baseline,
+    mHC and mHC +
     ``mhc_recompute`` steps (median of the rounds' medians for the ops; for the models, whose
     steps are interleaved one by one (:func:`paired_steps`), the minimum over the rounds'
     steps, each mHC step over the baseline's per sublayer by those minima, and the median of
@@ -1119,10 +1184,16 @@ def ab_rows(args, modes) -> list[str]:
     per_call = {name: (ENGINE_DEPTH if name.startswith("one sublayer") else 1)
                 for name, _ in cases}
     shape = _dense_shape(args)
-    models = {name: make_step(build(shape, "local", mhc, recompute, DEVICE)[0], shape, "local",
-                              DEVICE)
-              for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
-                                           ("mHC + recompute", True, True))}
+    built = {name: build(shape, "local", mhc, recompute, DEVICE)[0]
+             for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
+                                          ("mHC + recompute", True, True))}
+    for name in ("mHC", "mHC + recompute"):
+        run, count = sublayers_as_layers_run_them(built[name], args.tokens)
+        label = (f"one sublayer as {name}'s layer runs it (module calls around a null body; "
+                 f"{count} chained, one backward call; per sublayer)")
+        cases.append((label, run))
+        per_call[label] = count
+    models = {name: make_step(model, shape, "local", DEVICE) for name, model in built.items()}
     ops = {(mode, name): [] for mode, _ in modes for name, _ in cases}
     steps = {(mode, name): [] for mode, _ in modes for name in models}
     for mode, ctx in modes:  # warm-up: compiles, fills every cache (and records)
@@ -1284,6 +1355,9 @@ def main(argv=None):
                      f"per sublayer) | {host_us(engine, args.iters) / depth:.1f} | "
                      f"{launches_and_allocations(engine)[0] // depth} | |")
         print(lines[-1], flush=True)
+    chain_rows = layer_chain_rows(args)
+    lines += chain_rows
+    print("\n".join(chain_rows), flush=True)
     node_rows = engine_node_rows(2 * ENGINE_DEPTH, args.iters)
     lines += node_rows
     print("\n".join(node_rows), flush=True)

@@ -70,7 +70,8 @@ def test_bench_e2e_interleave_refuses_profile():
 
 
 def test_bench_host_op_table_on_the_interpreter(tmp_path):
-    """The op table, and ``--launch-ab``'s table of the two launch modes (on the interpreter
+    """The op table (with the dense mHC models' sublayers as their layers run them, chained),
+    and ``--launch-ab``'s table of the two launch modes (on the interpreter
     both launch through Triton's own launcher: the plumbing only); ``--replay-ab`` says why
     there is no replay from C++ on the interpreter; the model table, each model's growth per
     sublayer the median of its paired steps' differences with their interquartile range."""
@@ -98,6 +99,11 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     engine = [line for line in table.splitlines() if "| one sublayer through autograd (" in line]
     assert [("; 1 chained" in line, "; 2 chained" in line) for line in engine] == \
         [(True, False), (False, True)], engine  # (8 chained on a GPU)
+    chains = [line.split("|") for line in table.splitlines()
+              if "'s layer runs it (pre and the combine module calls" in line]
+    assert [c[1].split(" as ")[1].split("'s layer")[0] for c in chains] == \
+        ["mHC", "mHC + recompute"], chains
+    assert all("; 6 chained, one backward call" in c[1] and float(c[2]) > 0 for c in chains)
     nodes = [line for line in table.splitlines() if "pass-through Python autograd node" in line]
     assert [("0 allocations" in line, "4 allocations" in line) for line in nodes] == \
         [(True, False), (False, True)], nodes  # on CPU: one device
@@ -106,7 +112,11 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
                for line in table.splitlines()) == 1
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
     assert ab_rows == ["host us", *names, "one sublayer through autograd (2 chained, one "
-                       "backward call; per sublayer)", "dense baseline model step (4 layers), "
+                       "backward call; per sublayer)",
+                       *(f"one sublayer as {name}'s layer runs it (module calls around a null "
+                         "body; 6 chained, one backward call; per sublayer)"
+                         for name in ("mHC", "mHC + recompute")),
+                       "dense baseline model step (4 layers), "
                        "ms, min", "dense mHC model step (4 layers), ms, min",
                        "dense mHC + recompute model step (4 layers), ms, min",
                        "mHC's step over the baseline's, per sublayer, us (min)",
