@@ -101,6 +101,7 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -346,14 +347,14 @@ def sublayers_through_engine(tokens: int, hidden: int, depth: int, ops=None):
 
 def sublayers_as_layers_run_them(model, tokens: int):
     """The mHC sublayers of ``model``'s layers 2 and on (streams ``[s, b, n*C]`` in and out,
-    ``tokens`` x 1),
-    each as its layer runs it (:func:`~mhc_megatron.layers.transformer_layer.run_sublayer`:
-    pre and the combine as the module's calls, with ``mhc_recompute`` the sublayer's saving
-    scope and records, inside its layer's recompute block) around a null body (the combine
-    takes ``y`` as the sublayer's output), chained, then one ``torch.autograd.backward`` of
-    the last streams; the mapping parameters' gradients dropped after each call. What mHC's
-    layer code and ops cost a sublayer, without the noise of Megatron's sublayers around
-    them. Returns ``(run, sublayers)``."""
+    ``tokens`` x 1), each as its layer runs it
+    (:func:`~mhc_megatron.layers.transformer_layer.run_sublayer`: pre and the combine as the
+    module's calls, with ``mhc_recompute`` the sublayer's saving scope and records, inside its
+    layer's recompute block) around a null body (the combine takes ``y`` as the sublayer's
+    output), chained, then one ``torch.autograd.backward`` of the last streams; the mapping
+    parameters' gradients dropped after each call. What mHC's layer code and ops cost a
+    sublayer, without the noise of Megatron's sublayers around them. Returns ``(run,
+    sublayers)``."""
     from mhc_megatron.layers.transformer_layer import (_StreamCombine, recompute_scope,
                                                        run_sublayer)
 
@@ -382,22 +383,29 @@ def sublayers_as_layers_run_them(model, tokens: int):
     return run, len(chain)
 
 
-def layer_chain_rows(args, models: dict | None = None) -> list[str]:
-    """Per sublayer, the host time of :func:`sublayers_as_layers_run_them` for the dense
-    model's mHC and mHC + ``mhc_recompute`` (``models``: name -> model, else built here),
-    median over ``--iters`` calls."""
-    if models is None:
-        shape = _dense_shape(args)
-        models = {name: build(shape, "local", True, recompute, DEVICE)[0]
-                  for name, recompute in (("mHC", False), ("mHC + recompute", True))}
-    rows = []
+def layer_chain_cases(models: dict, tokens: int) -> list[tuple[str, Callable, int]]:
+    """``(label, run, sublayers)`` of :func:`sublayers_as_layers_run_them` for each of
+    ``models`` (name -> an mHC model)."""
+    cases = []
     for name, model in models.items():
-        run, count = sublayers_as_layers_run_them(model, args.tokens)
+        run, count = sublayers_as_layers_run_them(model, tokens)
+        cases.append((f"one sublayer as {name}'s layer runs it (pre and the combine module "
+                      f"calls around a null body; {count} chained, one backward call; per "
+                      f"sublayer)", run, count))
+    return cases
+
+
+def layer_chain_rows(args) -> list[str]:
+    """Per sublayer, the host time of :func:`sublayers_as_layers_run_them` for the dense
+    model's mHC and mHC + ``mhc_recompute``, median over ``--iters`` calls."""
+    shape = _dense_shape(args)
+    models = {name: build(shape, "local", True, recompute, DEVICE)[0]
+              for name, recompute in (("mHC", False), ("mHC + recompute", True))}
+    rows = []
+    for label, run, count in layer_chain_cases(models, args.tokens):
         for _ in range(WARMUP):
             run()
-        rows.append(f"| one sublayer as {name}'s layer runs it (pre and the combine module "
-                    f"calls around a null body; {count} chained, one backward call; per "
-                    f"sublayer) | {host_us(run, args.iters) / count:.1f} | "
+        rows.append(f"| {label} | {host_us(run, args.iters) / count:.1f} | "
                     f"{launches_and_allocations(run)[0] // count} | |")
     return rows
 
@@ -1187,10 +1195,8 @@ def ab_rows(args, modes) -> list[str]:
     built = {name: build(shape, "local", mhc, recompute, DEVICE)[0]
              for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
                                           ("mHC + recompute", True, True))}
-    for name in ("mHC", "mHC + recompute"):
-        run, count = sublayers_as_layers_run_them(built[name], args.tokens)
-        label = (f"one sublayer as {name}'s layer runs it (module calls around a null body; "
-                 f"{count} chained, one backward call; per sublayer)")
+    for label, run, count in layer_chain_cases(
+            {name: built[name] for name in ("mHC", "mHC + recompute")}, args.tokens):
         cases.append((label, run))
         per_call[label] = count
     models = {name: make_step(model, shape, "local", DEVICE) for name, model in built.items()}

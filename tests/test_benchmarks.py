@@ -113,9 +113,9 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     ab_rows = [line.split("|")[1].strip() for line in ab.splitlines() if line.startswith("| ")]
     assert ab_rows == ["host us", *names, "one sublayer through autograd (2 chained, one "
                        "backward call; per sublayer)",
-                       *(f"one sublayer as {name}'s layer runs it (module calls around a null "
-                         "body; 6 chained, one backward call; per sublayer)"
-                         for name in ("mHC", "mHC + recompute")),
+                       *(f"one sublayer as {name}'s layer runs it (pre and the combine "
+                         "module calls around a null body; 6 chained, one backward call; per "
+                         "sublayer)" for name in ("mHC", "mHC + recompute")),
                        "dense baseline model step (4 layers), "
                        "ms, min", "dense mHC model step (4 layers), ms, min",
                        "dense mHC + recompute model step (4 layers), ms, min",
