@@ -79,6 +79,9 @@ so wall time is host time:
   saved-tensor hooks: no placeholders, no replays; then the records too: the block scopes
   alone), and mHC's own forward and backward over the baseline's, the steps interleaved one
   by one;
+* ``--recompute-chain-parts``: the same parts of ``mhc_recompute`` switched off in turn in
+  mHC's sublayers as the layers run them, chained around a null body (the chained rows of the
+  op table), in alternating rounds: steadier than the model steps, without Megatron's sublayers;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -890,6 +893,58 @@ def sublayer_split_rows(args) -> list[str]:
     return lines
 
 
+# The recompute's parts, switched off in turn (:func:`recompute_parts_switched`): a run's
+# label -> (model: "mHC" or "recompute", mode)
+RECOMPUTE_PART_RUNS = {
+    "mHC + recompute": ("recompute", "all"),
+    "recompute, blocks replayed in Python": ("recompute", "python replays"),
+    "recompute, hooks off (ops recorded)": ("recompute", "no hooks"),
+    "recompute, hooks and records off (block scopes)": ("recompute", "no hooks, no records"),
+}
+
+
+@contextlib.contextmanager
+def recompute_parts_switched():
+    """While open, the recompute's parts follow ``mode[0]`` (the list yielded), read at each
+    call: ``"all"``; ``"python replays"`` (the blocks' C++ replay sites off; the caller sets
+    it with :func:`~mhc_megatron.recompute.manager.set_native_replay`, see :func:`_apply_mode`);
+    ``"no hooks"`` (no sublayer saving scope: no placeholders, no replays; the ops still
+    recorded); ``"no hooks, no records"`` (the layers' block scopes alone)."""
+    from mhc_megatron.layers import hyper_connection, transformer_layer
+
+    mode = ["all"]
+    saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
+                                       hyper_connection.record_as, hyper_connection.run_recorded)
+    site_record = hyper_connection.HyperConnectionModule._site_record
+
+    def no_records(fn, *a, **k):
+        return fn(*a, **k)
+
+    transformer_layer.sublayer_saving = lambda: None if mode[0].startswith("no") else saving()
+    hyper_connection.record_as = lambda *a, **k: (None if mode[0] == "no hooks, no records"
+                                                  else record_as(*a, **k))
+    # (the module's site calls record inside the call: no record handed to them either)
+    hyper_connection.HyperConnectionModule._site_record = lambda self, block, fn: (
+        None if mode[0] == "no hooks, no records" else site_record(self, block, fn))
+    hyper_connection.run_recorded = lambda *a, **k: (
+        no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
+    try:
+        yield mode
+    finally:
+        transformer_layer.sublayer_saving = saving
+        hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
+        hyper_connection.HyperConnectionModule._site_record = site_record
+
+
+def _apply_mode(mode: list, value: str, native_replay: bool) -> None:
+    """Set :func:`recompute_parts_switched`'s ``mode`` to ``value``, and the blocks' C++
+    replay to ``native_replay`` unless ``value`` replays them in Python."""
+    from mhc_megatron.recompute import manager as rm
+
+    mode[0] = value
+    rm.set_native_replay(native_replay and value != "python replays")
+
+
 def recompute_phases_rows(args) -> list[str]:
     """``--recompute-phases``: ``mhc_recompute``'s host time in the dense model's forward and
     backward apart, and what its parts add: the recompute's steps, the same model with the
@@ -899,7 +954,6 @@ def recompute_phases_rows(args) -> list[str]:
     Python (their C++ replay sites off), each against mHC's steps without recompute, and mHC's
     against the baseline's (Megatron's plain model), all interleaved one by one. Each phase is
     timed between device syncs; per sublayer, the median of the paired differences."""
-    from mhc_megatron.layers import hyper_connection, transformer_layer
     from mhc_megatron.recompute import manager as rm
 
     shape = _dense_shape(args)
@@ -908,34 +962,13 @@ def recompute_phases_rows(args) -> list[str]:
               for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
                                            ("recompute", True, True))}
     ids, pos, mask = fixed_batch(shape, "local", DEVICE)
-    saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
-                                       hyper_connection.record_as, hyper_connection.run_recorded)
-    mode = ["all"]  # "all", "python replays", "no hooks" or "no hooks, no records"
     native_replay = rm.native_replay()
-
-    def no_records(fn, *a, **k):
-        return fn(*a, **k)
-
-    transformer_layer.sublayer_saving = lambda: None if mode[0].startswith("no") else saving()
-    hyper_connection.record_as = lambda *a, **k: (None if mode[0] == "no hooks, no records"
-                                                  else record_as(*a, **k))
-    # (the module's site calls record inside the call: no record handed to them either)
-    site_record = hyper_connection.HyperConnectionModule._site_record
-    hyper_connection.HyperConnectionModule._site_record = lambda self, block, fn: (
-        None if mode[0] == "no hooks, no records" else site_record(self, block, fn))
-    hyper_connection.run_recorded = lambda *a, **k: (
-        no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
-    runs = {"baseline": ("baseline", "all"), "mHC": ("mHC", "all"),
-            "mHC + recompute": ("recompute", "all"),
-            "recompute, blocks replayed in Python": ("recompute", "python replays"),
-            "recompute, hooks off (ops recorded)": ("recompute", "no hooks"),
-            "recompute, hooks and records off (block scopes)": ("recompute",
-                                                                "no hooks, no records")}
+    runs = {"baseline": ("baseline", "all"), "mHC": ("mHC", "all"), **RECOMPUTE_PART_RUNS}
     times = {name: [] for name in runs}
 
     def step(name, out=None):
-        model, mode[0] = models[runs[name][0]], runs[name][1]
-        rm.set_native_replay(native_replay and mode[0] != "python replays")
+        model = models[runs[name][0]]
+        _apply_mode(mode, runs[name][1], native_replay)
         _sync()
         t0 = time.perf_counter()
         loss = model(ids, pos, mask, labels=ids).float().mean()
@@ -946,19 +979,17 @@ def recompute_phases_rows(args) -> list[str]:
         if out is not None:
             out.append((t1 - t0, time.perf_counter() - t1))
 
-    try:
-        for name in runs:
-            for _ in range(WARMUP):
-                step(name)
-        with gc_paused():
-            for _ in range(10 * args.rounds):
-                for name in runs:
-                    step(name, times[name])
-    finally:
-        transformer_layer.sublayer_saving = saving
-        hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
-        hyper_connection.HyperConnectionModule._site_record = site_record
-        rm.set_native_replay(native_replay)
+    with recompute_parts_switched() as mode:
+        try:
+            for name in runs:
+                for _ in range(WARMUP):
+                    step(name)
+            with gc_paused():
+                for _ in range(10 * args.rounds):
+                    for name in runs:
+                        step(name, times[name])
+        finally:
+            rm.set_native_replay(native_replay)
     lines = [f"{name}'s step (medians): forward "
              f"{1e3 * statistics.median(t[0] for t in times[name]):.2f} ms, backward "
              f"{1e3 * statistics.median(t[1] for t in times[name]):.2f} ms "
@@ -972,6 +1003,50 @@ def recompute_phases_rows(args) -> list[str]:
         label = "mHC over the baseline" if over == "baseline" else name
         lines.append(f"| {label} | {statistics.median(diffs[0]):.1f} | "
                      f"{statistics.median(diffs[1]):.1f} | {statistics.median(steps):.1f} |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def recompute_chain_parts_rows(args) -> list[str]:
+    """``--recompute-chain-parts``: where ``mhc_recompute``'s host time goes in mHC's sublayers
+    as the layers run them (:func:`sublayers_as_layers_run_them`, per sublayer): mHC without
+    recompute, the recompute, and the recompute with its parts switched off in turn
+    (:data:`RECOMPUTE_PART_RUNS`), in ``--rounds`` alternating rounds of ``--iters`` calls
+    each; median of the rounds (their range), and each over mHC's."""
+    from mhc_megatron.recompute import manager as rm
+
+    shape = _dense_shape(args)
+    models = {name: build(shape, "local", True, recompute, DEVICE)[0]
+              for name, recompute in (("mHC", False), ("recompute", True))}
+    chains = {name: sublayers_as_layers_run_them(model, args.tokens)
+              for name, model in models.items()}
+    runs = {"mHC": ("mHC", "all"), **RECOMPUTE_PART_RUNS}
+    native_replay = rm.native_replay()
+    times = {name: [] for name in runs}
+    with recompute_parts_switched() as mode:
+        def timed(name, iters):
+            model, value = runs[name]
+            _apply_mode(mode, value, native_replay)
+            run, count = chains[model]
+            return host_us(run, iters) / count
+
+        try:
+            for name in runs:
+                timed(name, WARMUP)
+            with gc_paused():
+                for _ in range(args.rounds):
+                    for name in runs:
+                        times[name].append(timed(name, args.iters))
+        finally:
+            rm.set_native_replay(native_replay)
+    base = statistics.median(times["mHC"])
+    lines = [f"| one sublayer as the layers run it ({chains['mHC'][1]} chained, one backward "
+             f"call), us a sublayer: median of {args.rounds} rounds of {args.iters} calls "
+             "(range) | us | over mHC |", "|---|---|---|"]
+    for name, got in times.items():
+        med = statistics.median(got)
+        lines.append(f"| {name} | {med:.1f} ({min(got):.1f} to {max(got):.1f}) | "
+                     f"{med - base:+.1f} |")
     print("\n".join(lines), flush=True)
     return lines
 
@@ -1300,6 +1375,8 @@ OPTIONAL_SECTIONS = (
      "sublayer's pieces)", sublayer_split_rows),
     ("recompute_phases", "mhc_recompute's host time in forward and backward, and its parts "
      "(alternating steps)", recompute_phases_rows),
+    ("recompute_chain_parts", "mhc_recompute's host time in the sublayers as the layers run "
+     "them, and its parts (alternating rounds)", recompute_chain_parts_rows),
     ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
      "(alternating rounds)", grad_fusion_rows),
 )
@@ -1329,6 +1406,7 @@ def main(argv=None):
     p.add_argument("--recompute-split", action="store_true")
     p.add_argument("--sublayer-split", action="store_true")
     p.add_argument("--recompute-phases", action="store_true")
+    p.add_argument("--recompute-chain-parts", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state

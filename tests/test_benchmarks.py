@@ -255,23 +255,34 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     recompute's forward and backward apart against mHC's, whole, with its blocks replayed in
     Python, and with its hooks, then its records, switched off; ``--profile-recompute``
     profiles its steps against mHC's; mHC's own forward and backward against the baseline's
-    head the phases' table. ``--sublayer-split`` times a sublayer's forward pieces
+    head the phases' table; ``--recompute-chain-parts`` switches the same parts off in mHC's
+    sublayers as the layers run them, against mHC's. ``--sublayer-split`` times a sublayer's
+    forward pieces
     in the baseline's and mHC's steps: Megatron's sublayer method once a sublayer in both,
     the whole sublayer, pre and the combine once a sublayer in mHC's."""
     out, prof = tmp_path / "host.md", tmp_path / "prof.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--recompute-split", "--recompute-phases",
-                      "--sublayer-split", "--rounds", "1", "--profile-models", str(prof),
-                      "--profile-recompute", "--profile-steps", "2", "--out", str(out),
-                      env={"TRITON_INTERPRET": "1"})
-    phases = [r.split("|") for r in out.read_text().splitlines()
-              if r.startswith(("| mHC over the baseline |", "| mHC + recompute |",
-                               "| recompute, "))]
+                      "--recompute-chain-parts", "--sublayer-split", "--rounds", "1",
+                      "--profile-models", str(prof), "--profile-recompute", "--profile-steps",
+                      "2", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    rows_of = [r.split("|") for r in out.read_text().splitlines()]
+    # the phases' rows (forward, backward, step) and the chain's (us, over mHC)
+    phases = [r for r in rows_of if len(r) == 6 and r[1].strip() in (
+        "mHC over the baseline", "mHC + recompute") or len(r) == 6 and r[1].startswith(
+        " recompute, ")]
     assert [r[1].strip() for r in phases] == [
         "mHC over the baseline", "mHC + recompute", "recompute, blocks replayed in Python",
         "recompute, hooks off (ops recorded)",
         "recompute, hooks and records off (block scopes)"], phases
     assert all(len(r) == 6 and all(float(c) == float(c) for c in r[2:5]) for r in phases)
+    chain = {r[1].strip(): r for r in rows_of if len(r) == 5 and (
+        r[1].strip() in ("mHC", "mHC + recompute") or r[1].startswith(" recompute, "))}
+    assert list(chain) == ["mHC", "mHC + recompute", "recompute, blocks replayed in Python",
+                           "recompute, hooks off (ops recorded)",
+                           "recompute, hooks and records off (block scopes)"], chain
+    assert chain["mHC"][3].strip() == "+0.0", chain["mHC"]
+    assert all(float(r[2].split()[0]) > 0 for r in chain.values()), chain
     profile = prof.read_text()
     assert "own time a step mHC " in profile and ", mHC + recompute " in profile, profile[:300]
     rows = {r[1].strip(): r for r in (line.split("|") for line in out.read_text().splitlines()
