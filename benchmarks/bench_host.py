@@ -353,37 +353,39 @@ def sublayers_as_layers_run_them(model, tokens: int):
     ``tokens`` x 1), each as its layer runs it
     (:func:`~mhc_megatron.layers.transformer_layer.run_sublayer`: pre and the combine as the
     module's calls, with ``mhc_recompute`` the sublayer's saving scope and records, inside its
-    layer's recompute block) around a null body (the combine takes ``y`` as the sublayer's
-    output), chained, then one ``torch.autograd.backward`` of the last streams; the mapping
-    parameters' gradients dropped after each call. What mHC's layer code and ops cost a
-    sublayer, without the noise of Megatron's sublayers around them. Returns ``(run,
-    sublayers)``."""
+    layer's recompute block, entered once a layer as the layer's forward enters it) around a
+    null body (the combine takes ``y`` as the sublayer's output), chained, then one
+    ``torch.autograd.backward`` of the last streams; the mapping parameters' gradients dropped
+    after each call. What mHC's layer code and ops cost a sublayer, without the noise of
+    Megatron's sublayers around them. Returns ``(run, sublayers)``."""
     from mhc_megatron.layers.transformer_layer import (_StreamCombine, recompute_scope,
                                                        run_sublayer)
 
     model.train()
-    chain = []
+    layers = []  # (layer, [(hyper-connection module, combine, body) a sublayer])
     for layer in model.decoder.layers[1:]:
+        subs = []
         for hc in (layer.self_attention_hyper_connection, layer.mlp_hyper_connection):
             combine = _StreamCombine(hc)  # (no reader of y to watch: the body is null)
-            chain.append((layer, hc, combine,
-                          lambda y, c=combine: c(True, False)((y, None), None, 0.0)))
+            subs.append((hc, combine, lambda y, c=combine: c(True, False)((y, None), None, 0.0)))
+        layers.append((layer, subs))
     config = model.config
     x0 = torch.randn(tokens, 1, N * config.hidden_size, device=DEVICE, dtype=torch.bfloat16,
                      requires_grad=True)
     dout = torch.randn_like(x0)
-    leaves = [x0] + [p for _, hc, _, _ in chain for p in hc.parameters()]
+    leaves = [x0] + [p for _, subs in layers for hc, _, _ in subs for p in hc.parameters()]
 
     def run():
         x = x0
-        for layer, hc, combine, body in chain:
+        for layer, subs in layers:
             with recompute_scope(layer):
-                x = run_sublayer(body, hc, combine, x)
+                for hc, combine, body in subs:
+                    x = run_sublayer(body, hc, combine, x)
         torch.autograd.backward(x, dout)
         for leaf in leaves:
             leaf.grad = None
 
-    return run, len(chain)
+    return run, sum(len(subs) for _, subs in layers)
 
 
 def layer_chain_cases(models: dict, tokens: int) -> list[tuple[str, Callable, int]]:

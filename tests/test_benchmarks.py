@@ -490,3 +490,28 @@ def test_bench_host_counts_the_launch_paths(monkeypatch):
         y.sum().backward()
     assert paths["by signature"] == paths["per-argument key"] == 0, paths
     assert forward in (2, 3) and paths["Triton's launcher"] == forward + 4, (forward, paths)
+
+
+def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_single_rank):
+    """``sublayers_as_layers_run_them`` runs a layer's two sublayers inside one entry of its
+    ``mhc_recompute`` block, as the layer's forward does: layers 2-4 of a 4-layer model
+    (blocks of 2 layers) open 2 blocks in 3 layer entries, and the backward replays each
+    once (the Triton ops, on the interpreter: their outputs are saved as placeholders)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_host
+
+    shape = dict(layers=4, hidden=32, ffn=64, heads=4, seq=8, mbs=1, vocab=64)
+    model = bench_host.build(shape, "local", True, True, "cpu")[0]
+    monkeypatch.setattr(model.config, "mhc_kernel_backend", "triton")
+    manager = model.decoder.layers[1].mhc_recompute_manager
+    assert manager.block_size == 2
+    run, count = bench_host.sublayers_as_layers_run_them(model, 8)
+    assert count == 6
+    entered = []
+    state_for = manager._state_for
+    monkeypatch.setattr(manager, "_state_for",
+                        lambda *a: entered.append(state_for(*a)) or entered[-1])
+    before = manager.blocks_recomputed
+    run()
+    assert len(entered) == 3 and len({id(block) for block in entered}) == 2, entered
+    assert manager.blocks_recomputed - before == 2
