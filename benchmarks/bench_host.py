@@ -82,6 +82,9 @@ so wall time is host time:
 * ``--recompute-chain-parts``: the same parts of ``mhc_recompute`` switched off in turn in
   mHC's sublayers as the layers run them, chained around a null body (the chained rows of the
   op table), in alternating rounds: steadier than the model steps, without Megatron's sublayers;
+* ``--chain-grad-accumulation``: the same chained sublayers with the mapping parameters'
+  gradients dropped after each call against accumulated into ``.grad`` (as the model steps
+  here accumulate them), with and without ``mhc_recompute``, in alternating rounds;
 * ``--launch-ab``: the ops' launches by signature (``Launcher.signed``: the compiled kernel
   looked up once per op call) against the per-argument key on every launch, in this process:
   the four ops and the dense model's mHC step, the two modes in alternating rounds;
@@ -348,7 +351,7 @@ def sublayers_through_engine(tokens: int, hidden: int, depth: int, ops=None):
     return run
 
 
-def sublayers_as_layers_run_them(model, tokens: int):
+def sublayers_as_layers_run_them(model, tokens: int, accumulate: bool = False):
     """The mHC sublayers of ``model``'s layers 2 and on (streams ``[s, b, n*C]`` in and out,
     ``tokens`` x 1), each as its layer runs it
     (:func:`~mhc_megatron.layers.transformer_layer.run_sublayer`: pre and the combine as the
@@ -356,8 +359,9 @@ def sublayers_as_layers_run_them(model, tokens: int):
     layer's recompute block, entered once a layer as the layer's forward enters it) around a
     null body (the combine takes ``y`` as the sublayer's output), chained, then one
     ``torch.autograd.backward`` of the last streams; the mapping parameters' gradients dropped
-    after each call. What mHC's layer code and ops cost a sublayer, without the noise of
-    Megatron's sublayers around them. Returns ``(run, sublayers)``."""
+    after each call (``accumulate``: kept, so that each call adds to them, as the model steps
+    here do). What mHC's layer code and ops cost a sublayer, without the noise of Megatron's
+    sublayers around them. Returns ``(run, sublayers)``."""
     from mhc_megatron.layers.transformer_layer import (_StreamCombine, recompute_scope,
                                                        run_sublayer)
 
@@ -373,7 +377,8 @@ def sublayers_as_layers_run_them(model, tokens: int):
     x0 = torch.randn(tokens, 1, N * config.hidden_size, device=DEVICE, dtype=torch.bfloat16,
                      requires_grad=True)
     dout = torch.randn_like(x0)
-    leaves = [x0] + [p for _, subs in layers for hc, _, _ in subs for p in hc.parameters()]
+    leaves = [x0] + ([] if accumulate else
+                     [p for _, subs in layers for hc, _, _ in subs for p in hc.parameters()])
 
     def run():
         x = x0
@@ -1053,6 +1058,37 @@ def recompute_chain_parts_rows(args) -> list[str]:
     return lines
 
 
+def chain_grad_accumulation_rows(args) -> list[str]:
+    """``--chain-grad-accumulation``: mHC's sublayers as the layers run them
+    (:func:`sublayers_as_layers_run_them`, per sublayer), with and without ``mhc_recompute``,
+    the mapping parameters' gradients dropped after each call against accumulated into
+    ``.grad`` (an ``AccumulateGrad`` add a parameter, three a sublayer), in ``--rounds``
+    alternating rounds of ``--iters`` calls; median of the rounds (their range)."""
+    shape = _dense_shape(args)
+    runs = {}
+    for name, recompute in (("mHC", False), ("mHC + recompute", True)):
+        model = build(shape, "local", True, recompute, DEVICE)[0]
+        for accumulate in (False, True):
+            label = f"{name}, gradients {'accumulated' if accumulate else 'dropped'}"
+            runs[label] = sublayers_as_layers_run_them(model, args.tokens, accumulate)
+    times = {name: [] for name in runs}
+    for run, _ in runs.values():
+        for _ in range(WARMUP):
+            run()
+    with gc_paused():
+        for _ in range(args.rounds):
+            for name, (run, count) in runs.items():
+                times[name].append(host_us(run, args.iters) / count)
+    count = next(iter(runs.values()))[1]
+    lines = [f"| one sublayer as the layers run it ({count} chained, one backward call), us a "
+             f"sublayer: median of {args.rounds} rounds of {args.iters} calls (range) | us |",
+             "|---|---|"]
+    lines += [f"| {name} | {statistics.median(got):.1f} ({min(got):.1f} to {max(got):.1f}) |"
+              for name, got in times.items()]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 @contextlib.contextmanager
 def counting_launch_paths():
     """Counts the ops' launches by the path they take while the context is open: ``{"by
@@ -1379,6 +1415,9 @@ OPTIONAL_SECTIONS = (
      "(alternating steps)", recompute_phases_rows),
     ("recompute_chain_parts", "mhc_recompute's host time in the sublayers as the layers run "
      "them, and its parts (alternating rounds)", recompute_chain_parts_rows),
+    ("chain_grad_accumulation", "The sublayers as the layers run them, the mapping "
+     "parameters' gradients dropped or accumulated (alternating rounds)",
+     chain_grad_accumulation_rows),
     ("grad_fusion", "Megatron's DDP: the mapping parameters' gradient-accumulation fusion "
      "(alternating rounds)", grad_fusion_rows),
 )
@@ -1409,6 +1448,7 @@ def main(argv=None):
     p.add_argument("--sublayer-split", action="store_true")
     p.add_argument("--recompute-phases", action="store_true")
     p.add_argument("--recompute-chain-parts", action="store_true")
+    p.add_argument("--chain-grad-accumulation", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from megatron.core import parallel_state

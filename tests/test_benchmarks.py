@@ -256,14 +256,16 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     Python, and with its hooks, then its records, switched off; ``--profile-recompute``
     profiles its steps against mHC's; mHC's own forward and backward against the baseline's
     head the phases' table; ``--recompute-chain-parts`` switches the same parts off in mHC's
-    sublayers as the layers run them, against mHC's. ``--sublayer-split`` times a sublayer's
+    sublayers as the layers run them, against mHC's; ``--chain-grad-accumulation`` runs those
+    sublayers with the mapping parameters' gradients dropped and accumulated. ``--sublayer-split`` times a sublayer's
     forward pieces
     in the baseline's and mHC's steps: Megatron's sublayer method once a sublayer in both,
     the whole sublayer, pre and the combine once a sublayer in mHC's."""
     out, prof = tmp_path / "host.md", tmp_path / "prof.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--recompute-split", "--recompute-phases",
-                      "--recompute-chain-parts", "--sublayer-split", "--rounds", "1",
+                      "--recompute-chain-parts", "--chain-grad-accumulation",
+                      "--sublayer-split", "--rounds", "1",
                       "--profile-models", str(prof), "--profile-recompute", "--profile-steps",
                       "2", "--out", str(out), env={"TRITON_INTERPRET": "1"})
     rows_of = [r.split("|") for r in out.read_text().splitlines()]
@@ -283,6 +285,9 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
                            "recompute, hooks and records off (block scopes)"], chain
     assert chain["mHC"][3].strip() == "+0.0", chain["mHC"]
     assert all(float(r[2].split()[0]) > 0 for r in chain.values()), chain
+    accumulation = [r[1].strip() for r in rows_of if len(r) == 4 and ", gradients " in r[1]]
+    assert accumulation == [f"{m}, gradients {g}" for m in ("mHC", "mHC + recompute")
+                            for g in ("dropped", "accumulated")], accumulation
     profile = prof.read_text()
     assert "own time a step mHC " in profile and ", mHC + recompute " in profile, profile[:300]
     rows = {r[1].strip(): r for r in (line.split("|") for line in out.read_text().splitlines()
@@ -515,3 +520,28 @@ def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_si
     run()
     assert len(entered) == 3 and len({id(block) for block in entered}) == 2, entered
     assert manager.blocks_recomputed - before == 2
+
+
+
+def test_bench_host_chain_drops_or_accumulates_the_mapping_gradients(monkeypatch,
+                                                                      megatron_single_rank):
+    """The chained sublayers drop the mapping parameters' gradients after each call, or with
+    ``accumulate`` keep them: two calls give twice one call's gradients (the reference ops on
+    the CPU: the same bits each call)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_host
+
+    shape = dict(layers=3, hidden=32, ffn=64, heads=4, seq=8, mbs=1, vocab=64)
+    model = bench_host.build(shape, "local", True, False, "cpu")[0]
+    params = [p for layer in model.decoder.layers[1:] for hc in (
+        layer.self_attention_hyper_connection, layer.mlp_hyper_connection)
+        for p in hc.parameters()]
+    dropping, _ = bench_host.sublayers_as_layers_run_them(model, 8)
+    dropping()
+    assert all(p.grad is None for p in params)
+    accumulating, _ = bench_host.sublayers_as_layers_run_them(model, 8, accumulate=True)
+    accumulating()
+    once = [p.grad.clone() for p in params]
+    accumulating()
+    for p, g in zip(params, once):
+        torch.testing.assert_close(p.grad, 2 * g, rtol=0, atol=0)
