@@ -912,20 +912,26 @@ RECOMPUTE_PART_RUNS = {
 
 @contextlib.contextmanager
 def recompute_parts_switched():
-    """While open, the recompute's parts follow ``mode[0]`` (the list yielded), read at each
-    call: ``"all"``; ``"python replays"`` (the blocks' C++ replay sites off; the caller sets
-    it with :func:`~mhc_megatron.recompute.manager.set_native_replay`, see :func:`_apply_mode`);
-    ``"no hooks"`` (no sublayer saving scope: no placeholders, no replays; the ops still
-    recorded); ``"no hooks, no records"`` (the layers' block scopes alone)."""
+    """While open, the recompute's parts are switched by the function yielded, ``switch(mode)``
+    (read at each call of the model): ``"all"``; ``"python replays"`` (the blocks' C++ replay
+    sites off, :func:`~mhc_megatron.recompute.manager.set_native_replay`); ``"no hooks"`` (no
+    sublayer saving scope: no placeholders, no replays; the ops still recorded); ``"no hooks,
+    no records"`` (the layers' block scopes alone). Everything is restored on exit."""
     from mhc_megatron.layers import hyper_connection, transformer_layer
+    from mhc_megatron.recompute import manager as rm
 
     mode = ["all"]
+    native_replay = rm.native_replay()
     saving, record_as, run_recorded = (transformer_layer.sublayer_saving,
                                        hyper_connection.record_as, hyper_connection.run_recorded)
     site_record = hyper_connection.HyperConnectionModule._site_record
 
     def no_records(fn, *a, **k):
         return fn(*a, **k)
+
+    def switch(value: str) -> None:
+        mode[0] = value
+        rm.set_native_replay(native_replay and value != "python replays")
 
     transformer_layer.sublayer_saving = lambda: None if mode[0].startswith("no") else saving()
     hyper_connection.record_as = lambda *a, **k: (None if mode[0] == "no hooks, no records"
@@ -936,20 +942,12 @@ def recompute_parts_switched():
     hyper_connection.run_recorded = lambda *a, **k: (
         no_records if mode[0] == "no hooks, no records" else run_recorded)(*a, **k)
     try:
-        yield mode
+        yield switch
     finally:
         transformer_layer.sublayer_saving = saving
         hyper_connection.record_as, hyper_connection.run_recorded = record_as, run_recorded
         hyper_connection.HyperConnectionModule._site_record = site_record
-
-
-def _apply_mode(mode: list, value: str, native_replay: bool) -> None:
-    """Set :func:`recompute_parts_switched`'s ``mode`` to ``value``, and the blocks' C++
-    replay to ``native_replay`` unless ``value`` replays them in Python."""
-    from mhc_megatron.recompute import manager as rm
-
-    mode[0] = value
-    rm.set_native_replay(native_replay and value != "python replays")
+        rm.set_native_replay(native_replay)
 
 
 def recompute_phases_rows(args) -> list[str]:
@@ -961,21 +959,18 @@ def recompute_phases_rows(args) -> list[str]:
     Python (their C++ replay sites off), each against mHC's steps without recompute, and mHC's
     against the baseline's (Megatron's plain model), all interleaved one by one. Each phase is
     timed between device syncs; per sublayer, the median of the paired differences."""
-    from mhc_megatron.recompute import manager as rm
-
     shape = _dense_shape(args)
     sub = 2 * shape["layers"]
     models = {name: build(shape, "local", mhc, recompute, DEVICE)[0]
               for name, mhc, recompute in (("baseline", False, False), ("mHC", True, False),
                                            ("recompute", True, True))}
     ids, pos, mask = fixed_batch(shape, "local", DEVICE)
-    native_replay = rm.native_replay()
     runs = {"baseline": ("baseline", "all"), "mHC": ("mHC", "all"), **RECOMPUTE_PART_RUNS}
     times = {name: [] for name in runs}
 
     def step(name, out=None):
         model = models[runs[name][0]]
-        _apply_mode(mode, runs[name][1], native_replay)
+        switch(runs[name][1])
         _sync()
         t0 = time.perf_counter()
         loss = model(ids, pos, mask, labels=ids).float().mean()
@@ -986,17 +981,14 @@ def recompute_phases_rows(args) -> list[str]:
         if out is not None:
             out.append((t1 - t0, time.perf_counter() - t1))
 
-    with recompute_parts_switched() as mode:
-        try:
-            for name in runs:
-                for _ in range(WARMUP):
-                    step(name)
-            with gc_paused():
-                for _ in range(10 * args.rounds):
-                    for name in runs:
-                        step(name, times[name])
-        finally:
-            rm.set_native_replay(native_replay)
+    with recompute_parts_switched() as switch:
+        for name in runs:
+            for _ in range(WARMUP):
+                step(name)
+        with gc_paused():
+            for _ in range(10 * args.rounds):
+                for name in runs:
+                    step(name, times[name])
     lines = [f"{name}'s step (medians): forward "
              f"{1e3 * statistics.median(t[0] for t in times[name]):.2f} ms, backward "
              f"{1e3 * statistics.median(t[1] for t in times[name]):.2f} ms "
@@ -1020,32 +1012,26 @@ def recompute_chain_parts_rows(args) -> list[str]:
     recompute, the recompute, and the recompute with its parts switched off in turn
     (:data:`RECOMPUTE_PART_RUNS`), in ``--rounds`` alternating rounds of ``--iters`` calls
     each; median of the rounds (their range), and each over mHC's."""
-    from mhc_megatron.recompute import manager as rm
-
     shape = _dense_shape(args)
     models = {name: build(shape, "local", True, recompute, DEVICE)[0]
               for name, recompute in (("mHC", False), ("recompute", True))}
     chains = {name: sublayers_as_layers_run_them(model, args.tokens)
               for name, model in models.items()}
     runs = {"mHC": ("mHC", "all"), **RECOMPUTE_PART_RUNS}
-    native_replay = rm.native_replay()
     times = {name: [] for name in runs}
-    with recompute_parts_switched() as mode:
+    with recompute_parts_switched() as switch:
         def timed(name, iters):
             model, value = runs[name]
-            _apply_mode(mode, value, native_replay)
+            switch(value)
             run, count = chains[model]
             return host_us(run, iters) / count
 
-        try:
-            for name in runs:
-                timed(name, WARMUP)
-            with gc_paused():
-                for _ in range(args.rounds):
-                    for name in runs:
-                        times[name].append(timed(name, args.iters))
-        finally:
-            rm.set_native_replay(native_replay)
+        for name in runs:
+            timed(name, WARMUP)
+        with gc_paused():
+            for _ in range(args.rounds):
+                for name in runs:
+                    times[name].append(timed(name, args.iters))
     base = statistics.median(times["mHC"])
     lines = [f"| one sublayer as the layers run it ({chains['mHC'][1]} chained, one backward "
              f"call), us a sublayer: median of {args.rounds} rounds of {args.iters} calls "

@@ -545,3 +545,35 @@ def test_bench_host_chain_drops_or_accumulates_the_mapping_gradients(monkeypatch
     accumulating()
     for p, g in zip(params, once):
         torch.testing.assert_close(p.grad, 2 * g, rtol=0, atol=0)
+
+
+def test_bench_host_recompute_parts_switch_and_restore(monkeypatch):
+    """``recompute_parts_switched`` turns the recompute's parts off as asked (no sublayer
+    saving scope without hooks; the blocks' C++ replay off for Python replays) and restores
+    everything it replaced on exit."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_host
+
+    from mhc_megatron.layers import hyper_connection, transformer_layer
+    from mhc_megatron.recompute import manager as rm
+
+    before = (transformer_layer.sublayer_saving, hyper_connection.record_as,
+              hyper_connection.run_recorded, hyper_connection.HyperConnectionModule._site_record,
+              rm.native_replay())
+    rm.set_native_replay(True)
+    try:
+        with bench_host.recompute_parts_switched() as switch:
+            switch("python replays")
+            assert not rm.native_replay()
+            switch("no hooks")
+            assert rm.native_replay() and transformer_layer.sublayer_saving() is None
+            switch("no hooks, no records")  # (a site call is handed no record: the block
+            # is not read)
+            assert hyper_connection.HyperConnectionModule._site_record(None, object(), None) \
+                is None
+        assert rm.native_replay()
+        assert (transformer_layer.sublayer_saving, hyper_connection.record_as,
+                hyper_connection.run_recorded,
+                hyper_connection.HyperConnectionModule._site_record) == before[:4]
+    finally:
+        rm.set_native_replay(before[4])
