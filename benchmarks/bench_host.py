@@ -374,7 +374,8 @@ def sublayers_as_layers_run_them(model, tokens: int, accumulate: bool = False):
             subs.append((hc, combine, lambda y, c=combine: c(True, False)((y, None), None, 0.0)))
         layers.append((layer, subs))
     config = model.config
-    x0 = torch.randn(tokens, 1, N * config.hidden_size, device=DEVICE, dtype=torch.bfloat16,
+    device = next(model.parameters()).device
+    x0 = torch.randn(tokens, 1, N * config.hidden_size, device=device, dtype=torch.bfloat16,
                      requires_grad=True)
     dout = torch.randn_like(x0)
     leaves = [x0] + ([] if accumulate else

@@ -506,7 +506,7 @@ def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_si
     import bench_host
 
     shape = dict(layers=4, hidden=32, ffn=64, heads=4, seq=8, mbs=1, vocab=64)
-    model = bench_host.build(shape, "local", True, True, "cpu")[0]
+    model = bench_host.build(shape, "local", True, True, bench_host.DEVICE)[0]
     monkeypatch.setattr(model.config, "mhc_kernel_backend", "triton")
     manager = model.decoder.layers[1].mhc_recompute_manager
     assert manager.block_size == 2
@@ -526,13 +526,13 @@ def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_si
 def test_bench_host_chain_drops_or_accumulates_the_mapping_gradients(monkeypatch,
                                                                       megatron_single_rank):
     """The chained sublayers drop the mapping parameters' gradients after each call, or with
-    ``accumulate`` keep them: two calls give twice one call's gradients (the reference ops on
-    the CPU: the same bits each call)."""
+    ``accumulate`` keep them: two calls give twice one call's gradients (the ops are
+    deterministic: the same bits each call)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_host
 
     shape = dict(layers=3, hidden=32, ffn=64, heads=4, seq=8, mbs=1, vocab=64)
-    model = bench_host.build(shape, "local", True, False, "cpu")[0]
+    model = bench_host.build(shape, "local", True, False, bench_host.DEVICE)[0]
     params = [p for layer in model.decoder.layers[1:] for hc in (
         layer.self_attention_hyper_connection, layer.mlp_hyper_connection)
         for p in hc.parameters()]
