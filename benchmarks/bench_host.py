@@ -1007,6 +1007,43 @@ def recompute_phases_rows(args) -> list[str]:
     return lines
 
 
+def _chain_rounds(runs: dict, args, prepare: Callable | None = None) -> dict:
+    """Host us a sublayer of each of ``runs`` (label -> ``(run, sublayers)``, as
+    :func:`sublayers_as_layers_run_them` returns), ``WARMUP`` calls each first, then
+    ``--rounds`` alternating rounds of ``--iters`` calls; ``prepare(label)`` before each
+    label's calls. Label -> the rounds' values."""
+    def timed(name, iters):
+        if prepare is not None:
+            prepare(name)
+        run, count = runs[name]
+        return host_us(run, iters) / count
+
+    for name in runs:
+        timed(name, WARMUP)
+    times = {name: [] for name in runs}
+    with gc_paused():
+        for _ in range(args.rounds):
+            for name in runs:
+                times[name].append(timed(name, args.iters))
+    return times
+
+
+def _chain_table(times: dict, sublayers: int, args, base: str | None = None) -> list[str]:
+    """:func:`_chain_rounds`'s ``times`` as a table: median of the rounds (their range), and
+    with ``base`` each label's median over ``base``'s."""
+    over = "" if base is None else f" over {base} |"
+    lines = [f"| one sublayer as the layers run it ({sublayers} chained, one backward call), us "
+             f"a sublayer: median of {args.rounds} rounds of {args.iters} calls (range) | us |"
+             + over, "|---|---|" + ("---|" if base else "")]
+    ref = None if base is None else statistics.median(times[base])
+    for name, got in times.items():
+        med = statistics.median(got)
+        lines.append(f"| {name} | {med:.1f} ({min(got):.1f} to {max(got):.1f}) |"
+                     + ("" if ref is None else f" {med - ref:+.1f} |"))
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def recompute_chain_parts_rows(args) -> list[str]:
     """``--recompute-chain-parts``: where ``mhc_recompute``'s host time goes in mHC's sublayers
     as the layers run them (:func:`sublayers_as_layers_run_them`, per sublayer): mHC without
@@ -1014,35 +1051,14 @@ def recompute_chain_parts_rows(args) -> list[str]:
     (:data:`RECOMPUTE_PART_RUNS`), in ``--rounds`` alternating rounds of ``--iters`` calls
     each; median of the rounds (their range), and each over mHC's."""
     shape = _dense_shape(args)
-    models = {name: build(shape, "local", True, recompute, DEVICE)[0]
-              for name, recompute in (("mHC", False), ("recompute", True))}
-    chains = {name: sublayers_as_layers_run_them(model, args.tokens)
-              for name, model in models.items()}
-    runs = {"mHC": ("mHC", "all"), **RECOMPUTE_PART_RUNS}
-    times = {name: [] for name in runs}
+    chains = {name: sublayers_as_layers_run_them(
+        build(shape, "local", True, recompute, DEVICE)[0], args.tokens)
+        for name, recompute in (("mHC", False), ("recompute", True))}
+    parts = {"mHC": ("mHC", "all"), **RECOMPUTE_PART_RUNS}
     with recompute_parts_switched() as switch:
-        def timed(name, iters):
-            model, value = runs[name]
-            switch(value)
-            run, count = chains[model]
-            return host_us(run, iters) / count
-
-        for name in runs:
-            timed(name, WARMUP)
-        with gc_paused():
-            for _ in range(args.rounds):
-                for name in runs:
-                    times[name].append(timed(name, args.iters))
-    base = statistics.median(times["mHC"])
-    lines = [f"| one sublayer as the layers run it ({chains['mHC'][1]} chained, one backward "
-             f"call), us a sublayer: median of {args.rounds} rounds of {args.iters} calls "
-             "(range) | us | over mHC |", "|---|---|---|"]
-    for name, got in times.items():
-        med = statistics.median(got)
-        lines.append(f"| {name} | {med:.1f} ({min(got):.1f} to {max(got):.1f}) | "
-                     f"{med - base:+.1f} |")
-    print("\n".join(lines), flush=True)
-    return lines
+        times = _chain_rounds({name: chains[model] for name, (model, _) in parts.items()}, args,
+                              lambda name: switch(parts[name][1]))
+    return _chain_table(times, chains["mHC"][1], args, base="mHC")
 
 
 def chain_grad_accumulation_rows(args) -> list[str]:
@@ -1058,22 +1074,7 @@ def chain_grad_accumulation_rows(args) -> list[str]:
         for accumulate in (False, True):
             label = f"{name}, gradients {'accumulated' if accumulate else 'dropped'}"
             runs[label] = sublayers_as_layers_run_them(model, args.tokens, accumulate)
-    times = {name: [] for name in runs}
-    for run, _ in runs.values():
-        for _ in range(WARMUP):
-            run()
-    with gc_paused():
-        for _ in range(args.rounds):
-            for name, (run, count) in runs.items():
-                times[name].append(host_us(run, args.iters) / count)
-    count = next(iter(runs.values()))[1]
-    lines = [f"| one sublayer as the layers run it ({count} chained, one backward call), us a "
-             f"sublayer: median of {args.rounds} rounds of {args.iters} calls (range) | us |",
-             "|---|---|"]
-    lines += [f"| {name} | {statistics.median(got):.1f} ({min(got):.1f} to {max(got):.1f}) |"
-              for name, got in times.items()]
-    print("\n".join(lines), flush=True)
-    return lines
+    return _chain_table(_chain_rounds(runs, args), next(iter(runs.values()))[1], args)
 
 
 @contextlib.contextmanager
