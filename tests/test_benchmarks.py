@@ -270,9 +270,9 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
                       "2", "--out", str(out), env={"TRITON_INTERPRET": "1"})
     rows_of = [r.split("|") for r in out.read_text().splitlines()]
     # the phases' rows (forward, backward, step) and the chain's (us, over mHC)
-    phases = [r for r in rows_of if len(r) == 6 and r[1].strip() in (
-        "mHC over the baseline", "mHC + recompute") or len(r) == 6 and r[1].startswith(
-        " recompute, ")]
+    phases = [r for r in rows_of if len(r) == 6 and (
+        r[1].strip() in ("mHC over the baseline", "mHC + recompute")
+        or r[1].startswith(" recompute, "))]
     assert [r[1].strip() for r in phases] == [
         "mHC over the baseline", "mHC + recompute", "recompute, blocks replayed in Python",
         "recompute, hooks off (ops recorded)",
