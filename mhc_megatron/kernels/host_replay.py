@@ -121,8 +121,8 @@ def _load() -> None:
             try:
                 from torch.utils import cpp_extension
 
-                log_rank0(logger, logging.INFO, "mHC: building the host replay extension (once "
-                          "per machine, about 30 s)")
+                log_rank0(logger, logging.INFO, "mHC: loading the host replay extension (built "
+                          "once per machine, about 30 s; torch caches the build)")
                 csrc = os.path.join(os.path.dirname(__file__), "csrc")
                 sources = [os.path.join(csrc, name) for name in _SOURCES]
                 _extension = cpp_extension.load("mhc_host_replay", sources,
