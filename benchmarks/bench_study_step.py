@@ -26,7 +26,7 @@ attention and MLP bodies, the combine inside them), median per call, from timers
 around those methods for this process (Megatron's classes included: a measurement, not the
 library's path). ``--phases``: a table of each phase's host time and, on a GPU, its GPU
 time from CUDA events recorded between the phases (which phases the host paces and which the
-GPU). ``--null-ops``: also mHC with null ops (``bench_host.null_ops``: its layer code, ops
+GPU). ``--null-ops``: also mHC with null ops (``host_ops.null_ops``: its layer code, ops
 that allocate and launch nothing). ``--python-hooks`` (with ``--recompute``): also mHC +
 recompute with ``mhc_recompute``'s saved-tensor hooks in Python (``set_native_hooks(False)``
 during its steps), to compare with the C++ hooks in the same process. ``--python-replays``
@@ -398,10 +398,10 @@ def main(argv=None):
     timers = args.spans or args.module_spans or args.phases
     models = {name: demo.build_model(over is not None, run_args, over)
               for name, over in variants.items()}
-    if args.null_ops:  # (bench_host's null ops: autograd functions that allocate the ops'
+    if args.null_ops:  # (host_ops' null ops: autograd functions that allocate the ops'
         #              outputs and gradients and launch nothing)
         sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-        from bench_host import with_null_ops
+        from host_ops import with_null_ops
 
         with_null_ops(models[NULL_OPS_RUN])
     steps = {name: make_step(model, run_args, data, name, phases[name] if timers else None,

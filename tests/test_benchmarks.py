@@ -482,14 +482,14 @@ def test_bench_host_counts_the_launch_paths(monkeypatch):
     import torch
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_host
+    import host_ops
 
     from mhc_megatron.kernels import triton_mhc
 
     x = torch.randn(6, 4, 16, requires_grad=True)
     phi = torch.randn(24, 64, requires_grad=True)
     alpha, bias = torch.ones(3, requires_grad=True), torch.zeros(24, requires_grad=True)
-    with bench_host.counting_launch_paths() as paths:
+    with host_ops.counting_launch_paths() as paths:
         y = triton_mhc.pre(x, phi, alpha, bias, 3, 1e-6)[0]
         forward = sum(paths.values())
         y.sum().backward()
@@ -503,14 +503,14 @@ def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_si
     (blocks of 2 layers) open 2 blocks in 3 layer entries, and the backward replays each
     once (the Triton ops, on the interpreter: their outputs are saved as placeholders)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_host
+    import host_chain
 
     shape = dict(layers=4, hidden=32, ffn=64, heads=4, seq=8, mbs=1, vocab=64)
-    model = bench_host.build(shape, "local", True, True, bench_host.DEVICE)[0]
+    model = host_chain.build(shape, "local", True, True, host_chain.DEVICE)[0]
     monkeypatch.setattr(model.config, "mhc_kernel_backend", "triton")
     manager = model.decoder.layers[1].mhc_recompute_manager
     assert manager.block_size == 2
-    run, count = bench_host.sublayers_as_layers_run_them(model, 8)
+    run, count = host_chain.sublayers_as_layers_run_them(model, 8)
     assert count == 6
     entered = []
     state_for = manager._state_for
@@ -529,17 +529,17 @@ def test_bench_host_chain_drops_or_accumulates_the_mapping_gradients(monkeypatch
     ``accumulate`` keep them: two calls give twice one call's gradients (the ops are
     deterministic: the same bits each call)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_host
+    import host_chain
 
     shape = dict(layers=3, hidden=32, ffn=64, heads=4, seq=8, mbs=1, vocab=64)
-    model = bench_host.build(shape, "local", True, False, bench_host.DEVICE)[0]
+    model = host_chain.build(shape, "local", True, False, host_chain.DEVICE)[0]
     params = [p for layer in model.decoder.layers[1:] for hc in (
         layer.self_attention_hyper_connection, layer.mlp_hyper_connection)
         for p in hc.parameters()]
-    dropping, _ = bench_host.sublayers_as_layers_run_them(model, 8)
+    dropping, _ = host_chain.sublayers_as_layers_run_them(model, 8)
     dropping()
     assert all(p.grad is None for p in params)
-    accumulating, _ = bench_host.sublayers_as_layers_run_them(model, 8, accumulate=True)
+    accumulating, _ = host_chain.sublayers_as_layers_run_them(model, 8, accumulate=True)
     accumulating()
     once = [p.grad.clone() for p in params]
     accumulating()
@@ -552,7 +552,7 @@ def test_bench_host_recompute_parts_switch_and_restore(monkeypatch):
     saving scope without hooks; the blocks' C++ replay off for Python replays) and restores
     everything it replaced on exit."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_host
+    import host_chain
 
     from mhc_megatron.layers import hyper_connection, transformer_layer
     from mhc_megatron.recompute import manager as rm
@@ -562,7 +562,7 @@ def test_bench_host_recompute_parts_switch_and_restore(monkeypatch):
               rm.native_replay())
     rm.set_native_replay(True)
     try:
-        with bench_host.recompute_parts_switched() as switch:
+        with host_chain.recompute_parts_switched() as switch:
             switch("python replays")
             assert not rm.native_replay()
             switch("no hooks")
