@@ -257,10 +257,10 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     profiles its steps against mHC's; mHC's own forward and backward against the baseline's
     head the phases' table; ``--recompute-chain-parts`` switches the same parts off in mHC's
     sublayers as the layers run them, against mHC's; ``--chain-grad-accumulation`` runs those
-    sublayers with the mapping parameters' gradients dropped and accumulated. ``--sublayer-split`` times a sublayer's
-    forward pieces
-    in the baseline's and mHC's steps: Megatron's sublayer method once a sublayer in both,
-    the whole sublayer, pre and the combine once a sublayer in mHC's."""
+    sublayers with the mapping parameters' gradients dropped and accumulated.
+    ``--sublayer-split`` times a sublayer's forward pieces in the baseline's and mHC's steps:
+    Megatron's sublayer method once a sublayer in both, the whole sublayer, pre and the
+    combine once a sublayer in mHC's."""
     out, prof = tmp_path / "host.md", tmp_path / "prof.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--recompute-split", "--recompute-phases",
@@ -520,7 +520,6 @@ def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_si
     run()
     assert len(entered) == 3 and len({id(block) for block in entered}) == 2, entered
     assert manager.blocks_recomputed - before == 2
-
 
 
 def test_bench_host_chain_drops_or_accumulates_the_mapping_gradients(monkeypatch,
