@@ -368,16 +368,27 @@ class RunResult:
     on_eval_seconds: float = 0.0  # wall time of the ``on_eval`` calls (a study's diagnostics)
 
 
+def read_losses(name: str, losses: list, first_step: int) -> list[float]:
+    """The steps' losses (0-dim tensors on the device, the first of step ``first_step``) as
+    floats, read back in one copy; a run whose loss is not finite stops here, naming the step."""
+    values = torch.stack(losses).tolist()
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            raise RuntimeError(f"{name}: loss became {value} at step {first_step + i}")
+    return values
+
+
 def evaluate(model, val: Batches, batches: int = 8) -> float:
+    """The mean loss over ``batches`` validation batches, read back from the device once."""
     model.eval()
     model.set_is_first_microbatch()  # fp8: weights re-quantised after the last optimiser step
     losses = []
     with torch.no_grad():
         for _ in range(batches):
             ids, labels = val.next()
-            losses.append(model(ids, val.position_ids, val.mask, labels=labels).float().mean().item())
+            losses.append(model(ids, val.position_ids, val.mask, labels=labels).float().mean())
     model.train()
-    return float(np.mean(losses))
+    return float(np.mean(torch.stack(losses).tolist()))
 
 
 def param_groups(model, weight_decay: float, decay_1d: bool):
@@ -398,7 +409,12 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
     """One run. ``on_eval(step, model, val_batches)`` runs at every evaluation, after the
     optimiser step (the step's gradients are still on the parameters); its time (device
     synchronised around it) is kept apart from ``seconds``, so that instrumentation of one run
-    (the study's mHC diagnostics) does not count as that run's training time."""
+    (the study's mHC diagnostics) does not count as that run's training time.
+
+    The steps do not wait for the device: each step's loss stays on it until the next
+    evaluation, which reads the losses back in one copy and stops the run at the first one
+    that is not finite. So the host queues a step's forward while the device still runs the
+    step before, as Megatron's own loop does between its logging intervals."""
     from tqdm import tqdm
 
     model = build_model(mhc, args, mhc_overrides)
@@ -417,6 +433,7 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
         sched_opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     batches = make_batches(train_data, args, args.seed)
     result = RunResult(name, [], [], [], [], 0.0, n_params)
+    pending = []  # the losses of the steps since the last evaluation, on the device
     start = time.time()
     bar = tqdm(range(1, args.steps + 1), desc=f"{name:>14}", file=sys.stdout, dynamic_ncols=True,
                mininterval=1.0)
@@ -432,11 +449,11 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if not math.isfinite(loss.item()):
-            raise RuntimeError(f"{name}: loss became {loss.item()} at step {step}")
+        pending.append(loss.detach())
         result.steps.append(step)
-        result.train_loss.append(loss.item())
         if step % args.eval_every == 0 or step == args.steps:
+            result.train_loss += read_losses(name, pending, first_step=step + 1 - len(pending))
+            pending.clear()
             val = make_batches(val_data, args, args.seed + 1)
             result.val_steps.append(step)
             result.val_loss.append(evaluate(model, val))
@@ -448,7 +465,7 @@ def train(name: str, mhc: bool, args, train_data, val_data, mhc_overrides=None, 
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 result.on_eval_seconds += time.time() - eval_start
-            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{result.val_loss[-1]:.3f}")
+            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", val=f"{result.val_loss[-1]:.3f}")
     if args.device == "cuda":
         torch.cuda.synchronize()
     result.seconds = time.time() - start - result.on_eval_seconds

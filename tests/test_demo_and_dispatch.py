@@ -55,6 +55,27 @@ def test_demo_hybrid_smoke(demo, tmp_path):
     assert hybrid[1].params > hybrid[0].params
 
 
+def test_demo_stops_at_the_first_non_finite_loss(demo, monkeypatch, tmp_path):
+    """The steps leave their losses on the device; the evaluation after them reads them back
+    and stops the run at the first one that is not finite, naming its step (the smoke preset
+    evaluates after step 3: step 2's loss is made NaN, step 3's follows from its update)."""
+    build = demo.build_model
+
+    def build_with_nan_at_second_forward(*args, **kwargs):
+        model, forwards = build(*args, **kwargs), []
+
+        def poison(module, inputs, output):
+            forwards.append(None)
+            return output * float("nan") if len(forwards) == 2 else output
+
+        model.register_forward_hook(poison)
+        return model
+
+    monkeypatch.setattr(demo, "build_model", build_with_nan_at_second_forward)
+    with pytest.raises(RuntimeError, match=r"^baseline: loss became nan at step 2$"):
+        demo.main(["--preset", "smoke", "--corpus-mb", "2", "--out", str(tmp_path)])
+
+
 def test_demo_bf16_with_master_weights(demo, tmp_path):
     results = demo.main(["--preset", "smoke", "--corpus-mb", "2", "--precision", "bf16",
                          "--out", str(tmp_path)])
