@@ -8,17 +8,19 @@
 The step of ``examples/mhc_study.py --preset study --precision bf16 --mhc-params fp32
 --attention sdpa`` (85M GPT, 12 x 768, seq 512, batch 32; the study's mHC variant
 ``static:zero,gating:0.01``): forward, backward, the example's ``MasterWeightAdamW`` step and
-``loss.item()``, on random bytes. The models are built side by side and timed in alternating
-rounds (``--rounds`` x ``--steps`` steps each, after warm-up): per run the median and
-minimum step time and the host time until the step returns (before ``loss.item()``); where
-the host time is as long as the step, the step is host-bound. The ratio to the baseline is
+``loss.item()`` right after it (a loop that reads every step's loss), on random bytes. The
+models are built side by side and timed in alternating rounds (``--rounds`` x ``--steps``
+steps each, after warm-up): per run the median and minimum step time and the host time until
+the step returns (before ``loss.item()``); where the host time is as long as the step, the
+step is host-bound. The ratio to the baseline is
 given twice: of the medians over all rounds, and paired, the median of the rounds' own ratios
 (each round's median step against the baseline's in that round), which a slow drift of the
 host's speed does not bias; many short rounds (``--rounds 20 --steps 3``) pair closest.
 
 ``--overlap``: each step's loss is read after the next step's work is issued, not right after
-its own step, so the host issues step k+1 while the GPU runs step k (a step's time is then the
-interval between two loss reads, its host time the part of it until its work is issued).
+its own step, so the host issues step k+1 while the GPU runs step k, as in the example's loop,
+which reads its losses back at its evaluations (a step's time is then the interval between
+two loss reads, its host time the part of it until its work is issued).
 ``--profile``: the GPU time a step (torch profiler, kernels only) and each run's top kernels.
 ``--spans``: a second table, the host time of each step's phases (forward, backward,
 optimiser) and of the calls inside the forward (a layer, mHC's pre and combine, Megatron's
@@ -280,8 +282,8 @@ def phase_rows(names: list, phases: dict, gpu_spans: dict) -> list[str]:
 
 
 def synced_steps(step, count: int, host: list) -> list[float]:
-    """``count`` steps, each loss read right after its step (the example's loop): the steps'
-    times in ms; their host times (until the step's work is issued) appended to ``host``."""
+    """``count`` steps, each loss read right after its step: the steps' times in ms; their
+    host times (until the step's work is issued) appended to ``host``."""
     times = []
     for _ in range(count):
         t0 = time.perf_counter()
