@@ -7,6 +7,7 @@ work after a change, so a run on a GPU host does not find a broken script.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,12 +33,13 @@ def run_script(*argv: str, env: dict | None = None) -> str:
     return proc.stdout
 
 
-def run_report_script(*argv: str, env: dict | None = None) -> None:
+def run_report_script(*argv: str, env: dict | None = None, cpu_only: bool = False) -> None:
     """Run a benchmark script whose report the test reads from its ``--out`` file in a process
     of its own (``helpers.run_python``: on a CPU host forked from the tests' fork server, where
     torch and Megatron are imported already), with the tests' child environment (no
-    MASTER_PORT; CUDA hidden where there is none)."""
-    env = child_env(cpu_only=not torch.cuda.is_available(), **(env or {}))
+    MASTER_PORT; CUDA hidden where there is none, and with ``cpu_only`` also on a GPU host: the
+    scripts' CPU and interpreter runs)."""
+    env = child_env(cpu_only=cpu_only or not torch.cuda.is_available(), **(env or {}))
     run = run_python(*argv, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:]
 
@@ -78,7 +80,7 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     out = tmp_path / "host.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--launch-ab", "--replay-ab", "--split", "--rounds", "2", "--out",
-                      str(out), env={"TRITON_INTERPRET": "1"})
+                      str(out), env={"TRITON_INTERPRET": "1"}, cpu_only=True)
     text, models = out.read_text().split("| model (4 layers, local specs) |")
     for kind in ("dense", "moe"):
         (row,) = table_rows(models, kind)
@@ -133,7 +135,7 @@ def test_bench_study_step_on_cpu(tmp_path):
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                      "--recompute", "--out", str(out))
+                      "--recompute", "--out", str(out), cpu_only=True)
     rows = [line.split("|") for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert [r[1].strip() for r in rows] == ["baseline", "mHC", "mHC + recompute"], rows
@@ -152,7 +154,7 @@ def test_bench_study_step_spans_on_cpu(tmp_path):
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
                       "--recompute", "--python-hooks", "--python-replays",
                       "--whole-sublayer-hooks", "--spans",
-                      "--module-spans", "--out", str(out))
+                      "--module-spans", "--out", str(out), cpu_only=True)
     text = out.read_text()
     names = ["baseline", "mHC", "mHC + recompute", "mHC + recompute, Python hooks",
              "mHC + recompute, blocks replayed in Python",
@@ -180,7 +182,7 @@ def test_bench_study_step_phases_and_null_ops_on_cpu(tmp_path):
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                      "--phases", "--null-ops", "--out", str(out))
+                      "--phases", "--null-ops", "--out", str(out), cpu_only=True)
     text = out.read_text()
     runs, phases = text.split("Each phase's host time and GPU time")
     assert [r[1].strip() for r in (line.split("|") for line in runs.splitlines())
@@ -203,7 +205,7 @@ def test_bench_study_step_overlapped_loop_on_cpu(tmp_path):
     out = tmp_path / "study.md"
     run_report_script("benchmarks/bench_study_step.py", "--preset", "smoke", "--device", "cpu",
                       "--precision", "fp32", "--rounds", "2", "--steps", "2", "--warmup", "1",
-                      "--overlap", "--out", str(out))
+                      "--overlap", "--out", str(out), cpu_only=True)
     text = out.read_text()
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")][1:]
     assert "losses read a step later" in text
@@ -218,7 +220,7 @@ def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--breakdown", "--rounds", "1", "--profile-models",
                       str(prof), "--profile-steps", "3", "--out", str(out),
-                      env={"TRITON_INTERPRET": "1"})
+                      env={"TRITON_INTERPRET": "1"}, cpu_only=True)
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, null ops"], rows
@@ -239,7 +241,7 @@ def test_bench_host_grad_fusion_on_the_interpreter(tmp_path):
     out = tmp_path / "host.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--grad-fusion", "--rounds", "1", "--out", str(out),
-                      env={"TRITON_INTERPRET": "1"})
+                      env={"TRITON_INTERPRET": "1"}, cpu_only=True)
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, gradient_accumulation_fusion"], rows
@@ -267,7 +269,7 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
                       "--recompute-chain-parts", "--chain-grad-accumulation",
                       "--sublayer-split", "--rounds", "1",
                       "--profile-models", str(prof), "--profile-recompute", "--profile-steps",
-                      "2", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+                      "2", "--out", str(out), env={"TRITON_INTERPRET": "1"}, cpu_only=True)
     rows_of = [r.split("|") for r in out.read_text().splitlines()]
     # the phases' rows (forward, backward, step) and the chain's (us, over mHC)
     phases = [r for r in rows_of if len(r) == 6 and (
@@ -323,7 +325,7 @@ def test_profile_native_steps_the_model_and_summarises_py_spys_samples(tmp_path)
     pieces and their own frames; autograd's device thread's busy samples after the warm-up
     (queue waits and the ops' first Python backward left out), by node, mHC's nodes
     summed."""
-    env = child_env(cpu_only=not torch.cuda.is_available(), TRITON_INTERPRET="1")
+    env = child_env(cpu_only=True, TRITON_INTERPRET="1")
     run = run_python("benchmarks/profile_native.py", "run", "--model", "mhc", "--seconds", "0",
                      "--warmup", "1", "--tokens", "8", "--hidden", "64", env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:]
@@ -475,26 +477,39 @@ def test_bench_dsv4_dry_run_table(tmp_path):
             assert r[5] == "1.00"
 
 
-def test_bench_host_counts_the_launch_paths(monkeypatch):
-    """``counting_launch_paths`` counts each launch once, by the path it took: on the
-    interpreter every launch goes through Triton's own launcher (pre forward: 2 or 3
-    launches, backward: 4)."""
-    import torch
-
+def test_bench_host_counts_the_launch_paths(monkeypatch, device):
+    """``counting_launch_paths`` counts each launch once, by the path it took (pre forward: 2
+    or 3 launches, backward: 4). On the interpreter every launch goes through Triton's own
+    launcher. On a GPU, with the ops' host work in Python (their replay and C++ nodes off, so
+    that every launch passes the launcher) and the launch shapes seen once, every launch finds
+    its kernel by its signature."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import host_ops
 
-    from mhc_megatron.kernels import triton_mhc
+    from mhc_megatron.kernels import host_replay, native_autograd, triton_mhc
 
-    x = torch.randn(6, 4, 16, requires_grad=True)
-    phi = torch.randn(24, 64, requires_grad=True)
-    alpha, bias = torch.ones(3, requires_grad=True), torch.zeros(24, requires_grad=True)
-    with host_ops.counting_launch_paths() as paths:
+    def pre_and_backward(paths: dict) -> int:
+        x = torch.randn(6, 4, 16, device=device, requires_grad=True)
+        phi = torch.randn(24, 64, device=device, requires_grad=True)
+        alpha = torch.ones(3, device=device, requires_grad=True)
+        bias = torch.zeros(24, device=device, requires_grad=True)
         y = triton_mhc.pre(x, phi, alpha, bias, 3, 1e-6)[0]
         forward = sum(paths.values())
         y.sum().backward()
-    assert paths["by signature"] == paths["per-argument key"] == 0, paths
-    assert forward in (2, 3) and paths["Triton's launcher"] == forward + 4, (forward, paths)
+        return forward
+
+    on_gpu = device.type == "cuda"
+    with contextlib.ExitStack() as python_host_work:
+        if on_gpu:
+            python_host_work.enter_context(host_ops.switched_off(native_autograd))
+            python_host_work.enter_context(host_ops.switched_off(host_replay))
+            pre_and_backward({})  # the launch shapes seen
+        with host_ops.counting_launch_paths() as paths:
+            forward = pre_and_backward(paths)
+    taken, untaken = ("by signature", "Triton's launcher") if on_gpu else \
+        ("Triton's launcher", "by signature")
+    assert paths[untaken] == paths["per-argument key"] == 0, paths
+    assert forward in (2, 3) and paths[taken] == forward + 4, (forward, paths)
 
 
 def test_bench_host_chain_enters_each_layers_block_once(monkeypatch, megatron_single_rank):
