@@ -17,13 +17,16 @@ from mhc_megatron.checkpoint import read_dist_checkpoint, stack_layers, unstack_
 from mhc_megatron.specs import get_gpt_decoder_block_with_mhc_spec, get_gpt_mtp_block_with_mhc_spec
 
 
-def _dsv4_gpt(seed: int):
+def _dsv4_gpt(seed: int, device):
+    """The DeepSeek-V4-preset GPT (2 layers, MTP depth 1) on ``device`` (the test device:
+    Megatron computes RoPE on CUDA where present)."""
     torch.manual_seed(seed)
     cfg = tiny_config(num_layers=2, mhc_variant="deepseek_v4", mtp_num_layers=1)
     block = get_gpt_decoder_block_with_mhc_spec(cfg, use_transformer_engine=False)
     return GPTModel(cfg, block, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="rope",
-                    mtp_block_spec=get_gpt_mtp_block_with_mhc_spec(cfg, block, False)).eval()
+                    mtp_block_spec=get_gpt_mtp_block_with_mhc_spec(cfg, block, False)).to(
+                        device).eval()
 
 
 def _convert(source, target, frm, to):
@@ -35,7 +38,7 @@ def _convert(source, target, frm, to):
 
 
 def _loaded_matches(model, path, data, strict="assume_ok_unexpected"):
-    fresh = _dsv4_gpt(seed=99)
+    fresh = _dsv4_gpt(seed=99, device=data[0].device)
     with torch.no_grad():
         want = model(*data[:3])
     assert_loads_to(fresh, path, data, want, strict)
@@ -45,8 +48,8 @@ def _loaded_matches(model, path, data, strict="assume_ok_unexpected"):
 
 
 @pytest.mark.parametrize("via", ["megatron_lm", "deepseek"])
-def test_dist_checkpoint_round_trip_through_other_names(seeded, tmp_path, via):
-    model = _dsv4_gpt(seed=3)
+def test_dist_checkpoint_round_trip_through_other_names(seeded, device, tmp_path, via):
+    model = _dsv4_gpt(seed=3, device=device)
     with torch.no_grad():  # mappings away from their initial values
         for name, p in model.named_parameters():
             if "hyper_connection" in name or ".head." in name:
@@ -65,7 +68,7 @@ def test_dist_checkpoint_round_trip_through_other_names(seeded, tmp_path, via):
                                                                                   "res")]
         stacked = model.state_dict()  # per layer: decoder.layers.{i}.mlp_hyper_connection.alpha
         for i in range(2):
-            want = stacked[f"decoder.layers.{i}.mlp_hyper_connection.alpha"]
+            want = stacked[f"decoder.layers.{i}.mlp_hyper_connection.alpha"].cpu()
             assert torch.equal(torch.cat([a[i] for a in alphas]), want)
         assert "decoder.hc_head_fn" in lm and "decoder.final_layernorm.weight" in lm
         assert "decoder.layers.self_attention_hyper_connection.mapping_proj.weight" in lm
@@ -80,7 +83,7 @@ def test_dist_checkpoint_round_trip_through_other_names(seeded, tmp_path, via):
     # Megatron's non-strict load skips (every tensor is checked below)
     strict = "assume_ok_unexpected" if via == "megatron_lm" else "log_unexpected"
     assert (via == "deepseek") == ("--dist-ckpt-strictness log_unexpected" in out), out
-    _loaded_matches(model, back, batch(device="cpu", seed=5), strict)
+    _loaded_matches(model, back, batch(device=device, seed=5), strict)
 
 
 def test_stacking_and_refusals(seeded, tmp_path):

@@ -55,23 +55,23 @@ def test_static_kv_cache_decode_equals_full_forward(seeded, device, kind):
 
 
 @pytest.mark.parametrize("model_class", ["gpt", "hybrid"])
-def test_inference_with_pipeline_parallelism_is_refused(seeded, model_class):
+def test_inference_with_pipeline_parallelism_is_refused(seeded, device, model_class):
     """Megatron's inference wrappers size a stage's receive buffer from ``hidden_size``, so an
     mHC model's streams cannot cross a stage boundary in inference: a layer's forward with an
     inference context under pipeline parallelism stops with a clear error (the config's
-    pipeline size set after the build: one CPU process has no second stage). GPTModel and
-    HybridModel (``*-``)."""
+    pipeline size set after the build: one process has no second stage). GPTModel and
+    HybridModel (``*-``), on the test device (Megatron computes RoPE on CUDA where present)."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     if model_class == "gpt":
-        model = build_gpt(tiny_config()).eval()
+        model = build_gpt(tiny_config(), device).eval()
     else:
         from hybrid_models import build_hybrid_model, hybrid_config
 
-        model = build_hybrid_model(hybrid_config(tiny_config()), "cpu", "*-*-").eval()
+        model = build_hybrid_model(hybrid_config(tiny_config()), device, "*-*-").eval()
     model.config.pipeline_model_parallel_size = 2
-    ids = torch.randint(0, VOCAB, (2, 4))
-    pos = torch.arange(4).unsqueeze(0).expand(2, 4)
+    ids = torch.randint(0, VOCAB, (2, 4), device=device)
+    pos = torch.arange(4, device=device).unsqueeze(0).expand(2, 4)
     with torch.no_grad(), pytest.raises(ValueError, match="pipeline_model_parallel_size=1"):
         model(ids, pos, None, inference_context=StaticInferenceContext(2, 4))
     model.config.pipeline_model_parallel_size = 1

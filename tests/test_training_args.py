@@ -139,9 +139,10 @@ def test_gpt_model_config_uses_the_mhc_block_spec(monkeypatch, megatron_single_r
     assert isinstance(norm, StreamContractingNorm) and norm.n == 4
 
 
-def test_config_container_style(megatron_single_rank):
+def test_config_container_style(megatron_single_rank, device):
     """GPTModelConfig(transformer=MHCTransformerConfig(...), transformer_layer_spec=mhc_block_spec)
-    built by Megatron's own GPTModelBuilder."""
+    built by Megatron's own GPTModelBuilder, run on the test device (Megatron's local attention
+    takes its buffers from CUDA where present)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.models.gpt import GPTModelConfig
 
@@ -153,12 +154,12 @@ def test_config_container_style(megatron_single_rank):
     model_cfg = GPTModelConfig(transformer=transformer, transformer_layer_spec=mhc_block_spec,
                                vocab_size=128, seq_length=32)
     model = model_cfg.get_builder_cls()(model_cfg).build_model(
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
     assert all(isinstance(layer, HyperConnectionTransformerLayer) and layer.mhc_enabled
                for layer in model.decoder.layers)
-    ids = torch.randint(0, 128, (2, 32))
-    pos = torch.arange(32).expand(2, 32)
-    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), 1)[None, None]
+    ids = torch.randint(0, 128, (2, 32), device=device)
+    pos = torch.arange(32, device=device).expand(2, 32)
+    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool, device=device), 1)[None, None]
     assert model(ids, pos, mask).shape == (2, 32, 128)
 
 
