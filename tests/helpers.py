@@ -4,6 +4,7 @@ tests' child processes (torchrun, the examples)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -246,6 +247,56 @@ def child_env(cpu_only: bool = False, **extra) -> dict:
         if key not in extra:
             env.pop(key, None)
     return env
+
+
+# A kernel whose loop starts at a multiple of its program id, as the mHC kernels' split loops do
+_INTERPRETER_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def loop_from_program_id(out, N: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros((1,), tl.float32)
+    for _ in range(pid * N, pid * N + N, 1):
+        acc += 1.0
+    tl.store(out + pid + tl.arange(0, 1), acc)
+
+out = torch.zeros(2)
+loop_from_program_id[(2,)](out, N=3)
+assert out.tolist() == [3.0, 3.0], out
+"""
+
+
+@functools.cache
+def interpreter_child_skip_reason() -> str | None:
+    """Why a child process cannot run the mHC kernels on Triton's interpreter here (None: it
+    can). Probed once, in a child, on a CUDA host only: there the tests run the compiled
+    kernels, and the interpreter only in the children of the tests that ask for it, whose
+    Triton may be one whose interpreter cannot (Triton 3.6's turns a loop bound made from a
+    program id into an int from a one-element array, which NumPy 2.5 refuses; Triton 3.8
+    squeezes it first). On a CPU host the whole suite runs on the interpreter, so a broken
+    one fails there, never skips."""
+    if not torch.cuda.is_available():
+        return None
+    import numpy
+    import triton
+
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], cwd=ROOT,
+                          env=child_env(cpu_only=True, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        return None
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return (f"Triton {triton.__version__}'s interpreter with NumPy {numpy.__version__} cannot "
+            f"run a loop bounded by a program id ({lines[-1] if lines else 'no output'}); the "
+            "CPU hosts' suite runs these scripts on the interpreter")
+
+
+def skip_without_interpreter_child() -> None:
+    """Skip the calling test where :func:`interpreter_child_skip_reason` gives a reason."""
+    reason = interpreter_child_skip_reason()
+    if reason:
+        pytest.skip(reason)
 
 
 def start(cmd, env: dict) -> subprocess.Popen:
