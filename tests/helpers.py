@@ -292,11 +292,14 @@ def interpreter_child_skip_reason() -> str | None:
             "CPU hosts' suite runs these scripts on the interpreter")
 
 
-def skip_without_interpreter_child() -> None:
-    """Skip the calling test where :func:`interpreter_child_skip_reason` gives a reason."""
+def interpreter_child_env(**extra) -> dict:
+    """:func:`child_env` for a child that runs the kernels on Triton's interpreter (CUDA
+    hidden, ``TRITON_INTERPRET=1``, and ``extra``); the calling test is skipped where such a
+    child cannot run them (:func:`interpreter_child_skip_reason`)."""
     reason = interpreter_child_skip_reason()
     if reason:
         pytest.skip(reason)
+    return child_env(cpu_only=True, TRITON_INTERPRET="1", **extra)
 
 
 def start(cmd, env: dict) -> subprocess.Popen:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, run_python, skip_without_interpreter_child
+from helpers import child_env, interpreter_child_env, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,13 +33,16 @@ def run_script(*argv: str, env: dict | None = None) -> str:
     return proc.stdout
 
 
-def run_report_script(*argv: str, env: dict | None = None, cpu_only: bool = False) -> None:
+def run_report_script(*argv: str, cpu_only: bool = False, interpreter: bool = False) -> None:
     """Run a benchmark script whose report the test reads from its ``--out`` file in a process
     of its own (``helpers.run_python``: on a CPU host forked from the tests' fork server, where
     torch and Megatron are imported already), with the tests' child environment (no
     MASTER_PORT; CUDA hidden where there is none, and with ``cpu_only`` also on a GPU host: the
-    scripts' CPU and interpreter runs)."""
-    env = child_env(cpu_only=cpu_only or not torch.cuda.is_available(), **(env or {}))
+    scripts' CPU runs). ``interpreter``: the kernels on Triton's interpreter, CUDA hidden
+    (``helpers.interpreter_child_env``: the test is skipped where such a child cannot run
+    them)."""
+    env = interpreter_child_env() if interpreter else child_env(
+        cpu_only=cpu_only or not torch.cuda.is_available())
     run = run_python(*argv, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:]
 
@@ -77,11 +80,10 @@ def test_bench_host_op_table_on_the_interpreter(tmp_path):
     both launch through Triton's own launcher: the plumbing only); ``--replay-ab`` says why
     there is no replay from C++ on the interpreter; the model table, each model's growth per
     sublayer the median of its paired steps' differences with their interquartile range."""
-    skip_without_interpreter_child()
     out = tmp_path / "host.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--launch-ab", "--replay-ab", "--split", "--rounds", "2", "--out",
-                      str(out), env={"TRITON_INTERPRET": "1"}, cpu_only=True)
+                      str(out), interpreter=True)
     text, models = out.read_text().split("| model (4 layers, local specs) |")
     for kind in ("dense", "moe"):
         (row,) = table_rows(models, kind)
@@ -217,12 +219,11 @@ def test_bench_study_step_overlapped_loop_on_cpu(tmp_path):
 def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
     """``--breakdown`` times the baseline, mHC and mHC with null ops (no kernels) side by
     side; ``--profile-models`` writes the per-step differences of the two models' profiles."""
-    skip_without_interpreter_child()
     out, prof = tmp_path / "host.md", tmp_path / "models.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--breakdown", "--rounds", "1", "--profile-models",
                       str(prof), "--profile-steps", "3", "--out", str(out),
-                      env={"TRITON_INTERPRET": "1"}, cpu_only=True)
+                      interpreter=True)
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, null ops"], rows
@@ -240,11 +241,10 @@ def test_bench_host_breakdown_and_model_profile_on_the_interpreter(tmp_path):
 def test_bench_host_grad_fusion_on_the_interpreter(tmp_path):
     """``--grad-fusion`` times the baseline, mHC and mHC with the gradient-accumulation fusion,
     each inside Megatron's DDP, side by side."""
-    skip_without_interpreter_child()
     out = tmp_path / "host.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--grad-fusion", "--rounds", "1", "--out", str(out),
-                      env={"TRITON_INTERPRET": "1"}, cpu_only=True)
+                      interpreter=True)
     rows = [line.split("|")[1].strip() for line in out.read_text().splitlines()
             if line.startswith("| baseline") or line.startswith("| mHC")]
     assert rows == ["baseline", "mHC", "mHC, gradient_accumulation_fusion"], rows
@@ -266,14 +266,13 @@ def test_bench_host_recompute_split_on_the_interpreter(tmp_path):
     ``--sublayer-split`` times a sublayer's forward pieces in the baseline's and mHC's steps:
     Megatron's sublayer method once a sublayer in both, the whole sublayer, pre and the
     combine once a sublayer in mHC's."""
-    skip_without_interpreter_child()
     out, prof = tmp_path / "host.md", tmp_path / "prof.md"
     run_report_script("benchmarks/bench_host.py", "--tokens", "8", "--hidden", "64", "--iters",
                       "2", "--no-models", "--recompute-split", "--recompute-phases",
                       "--recompute-chain-parts", "--chain-grad-accumulation",
                       "--sublayer-split", "--rounds", "1",
                       "--profile-models", str(prof), "--profile-recompute", "--profile-steps",
-                      "2", "--out", str(out), env={"TRITON_INTERPRET": "1"}, cpu_only=True)
+                      "2", "--out", str(out), interpreter=True)
     rows_of = [r.split("|") for r in out.read_text().splitlines()]
     # the phases' rows (forward, backward, step) and the chain's (us, over mHC)
     phases = [r for r in rows_of if len(r) == 6 and (
@@ -329,8 +328,7 @@ def test_profile_native_steps_the_model_and_summarises_py_spys_samples(tmp_path)
     pieces and their own frames; autograd's device thread's busy samples after the warm-up
     (queue waits and the ops' first Python backward left out), by node, mHC's nodes
     summed."""
-    skip_without_interpreter_child()
-    env = child_env(cpu_only=True, TRITON_INTERPRET="1")
+    env = interpreter_child_env()
     run = run_python("benchmarks/profile_native.py", "run", "--model", "mhc", "--seconds", "0",
                      "--warmup", "1", "--tokens", "8", "--hidden", "64", env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:]
