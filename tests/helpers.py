@@ -249,20 +249,21 @@ def child_env(cpu_only: bool = False, **extra) -> dict:
     return env
 
 
-# A kernel whose loop starts at a multiple of its program id, as the mHC kernels' split loops do
+# A kernel whose loop bounds are run-time values (a kernel argument, a program id), as the mHC
+# kernels' split and Sinkhorn loops are
 _INTERPRETER_PROBE = """
 import torch, triton, triton.language as tl
 
 @triton.jit
-def loop_from_program_id(out, N: tl.constexpr):
+def loop_to_run_time_bounds(out, steps):
     pid = tl.program_id(0)
     acc = tl.zeros((1,), tl.float32)
-    for _ in range(pid * N, pid * N + N, 1):
+    for _ in range(pid * steps, pid * steps + steps):
         acc += 1.0
     tl.store(out + pid + tl.arange(0, 1), acc)
 
 out = torch.zeros(2)
-loop_from_program_id[(2,)](out, N=3)
+loop_to_run_time_bounds[(2,)](out, 3)
 assert out.tolist() == [3.0, 3.0], out
 """
 
@@ -272,9 +273,10 @@ def interpreter_child_skip_reason() -> str | None:
     """Why a child process cannot run the mHC kernels on Triton's interpreter here (None: it
     can). Probed once, in a child, on a CUDA host only: there the tests run the compiled
     kernels, and the interpreter only in the children of the tests that ask for it, whose
-    Triton may be one whose interpreter cannot (Triton 3.6's turns a loop bound made from a
-    program id into an int from a one-element array, which NumPy 2.5 refuses; Triton 3.8
-    squeezes it first). On a CPU host the whole suite runs on the interpreter, so a broken
+    Triton may be one whose interpreter cannot (Triton 3.6's turns a run-time loop bound, a
+    kernel argument or a value made from a program id, into an int from a one-element array,
+    which NumPy 2.5 refuses; Triton 3.8 squeezes it first. The kernels' bounds are run-time
+    values on purpose: a constant would compile a kernel per shape). On a CPU host the whole suite runs on the interpreter, so a broken
     one fails there, never skips."""
     if not torch.cuda.is_available():
         return None
@@ -288,7 +290,7 @@ def interpreter_child_skip_reason() -> str | None:
         return None
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     return (f"Triton {triton.__version__}'s interpreter with NumPy {numpy.__version__} cannot "
-            f"run a loop bounded by a program id ({lines[-1] if lines else 'no output'}); the "
+            f"run a loop to a run-time bound ({lines[-1] if lines else 'no output'}); the "
             "CPU hosts' suite runs these scripts on the interpreter")
 
 
