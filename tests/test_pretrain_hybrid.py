@@ -88,7 +88,7 @@ def _args(*flags, monkeypatch):
     return args
 
 
-def test_hybrid_model_config_from_args(monkeypatch, megatron_single_rank):
+def test_hybrid_model_config_from_args(monkeypatch, megatron_single_rank, device):
     """Megatron's HybridModelConfig and HybridModelBuilder with the mHC config and stack spec:
     Megatron takes num_layers from the pattern, and the model it builds has a hyper-connection
     in every layer, around that layer's one sublayer."""
@@ -109,8 +109,9 @@ def test_hybrid_model_config_from_args(monkeypatch, megatron_single_rank):
     assert (tc.num_residual_streams, tc.num_layers, tc.is_hybrid_model) == (2, 4, True)
     assert model_cfg.hybrid_layer_pattern == "*-*-"
     assert model_cfg.hybrid_stack_spec.module is MHCHybridStack
+    # (on the test device: Megatron computes RoPE on CUDA where present)
     model = HybridModelBuilder(model_cfg).build_model(
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
     layers = list(model.decoder.layers)
     assert [type(layer) for layer in layers] == [HybridHyperConnectionLayer,
                                                  HyperConnectionMLPLayer] * 2
@@ -119,9 +120,9 @@ def test_hybrid_model_config_from_args(monkeypatch, megatron_single_rank):
         [True, False, True, False]
     assert [hasattr(layer, "mlp_hyper_connection") for layer in layers] == \
         [False, True, False, True]
-    ids = torch.randint(0, 257, (2, 32))
-    pos = torch.arange(32).expand(2, 32)
-    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), 1)[None, None]
+    ids = torch.randint(0, 257, (2, 32), device=device)
+    pos = torch.arange(32, device=device).expand(2, 32)
+    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool, device=device), 1)[None, None]
     assert model(ids, pos, mask).shape[:2] == (2, 32)
 
 
