@@ -276,8 +276,8 @@ def interpreter_child_skip_reason() -> str | None:
     Triton may be one whose interpreter cannot (Triton 3.6's turns a run-time loop bound, a
     kernel argument or a value made from a program id, into an int from a one-element array,
     which NumPy 2.5 refuses; Triton 3.8 squeezes it first. The kernels' bounds are run-time
-    values on purpose: a constant would compile a kernel per shape). On a CPU host the whole suite runs on the interpreter, so a broken
-    one fails there, never skips."""
+    values on purpose: a constant would compile a kernel per shape). On a CPU host the whole
+    suite runs on the interpreter, so a broken one fails there, never skips."""
     if not torch.cuda.is_available():
         return None
     import numpy

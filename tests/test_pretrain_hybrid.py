@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from helpers import (LOCAL_MODULE_FLAGS, MHC_FLAGS, PRETRAIN_DEVICES, PRETRAIN_ITERS,
-                     SavedAtIteration3, assert_close, needs_2_gpus, needs_gpu, needs_te_norms,
+                     SavedAtIteration3, assert_close, batch, needs_2_gpus, needs_gpu, needs_te_norms,
                      pretrain, shared_run, write_pretrain_corpus)
 
 ITERS = PRETRAIN_ITERS
@@ -120,9 +120,7 @@ def test_hybrid_model_config_from_args(monkeypatch, megatron_single_rank, device
         [True, False, True, False]
     assert [hasattr(layer, "mlp_hyper_connection") for layer in layers] == \
         [False, True, False, True]
-    ids = torch.randint(0, 257, (2, 32), device=device)
-    pos = torch.arange(32, device=device).expand(2, 32)
-    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool, device=device), 1)[None, None]
+    ids, pos, mask, _ = batch(seq=32, device=device)
     assert model(ids, pos, mask).shape[:2] == (2, 32)
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import batch
 
 from mhc_megatron.config import MHCMLATransformerConfig, MHCTransformerConfig
 from mhc_megatron.training import (
@@ -157,9 +158,7 @@ def test_config_container_style(megatron_single_rank, device):
         pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(device)
     assert all(isinstance(layer, HyperConnectionTransformerLayer) and layer.mhc_enabled
                for layer in model.decoder.layers)
-    ids = torch.randint(0, 128, (2, 32), device=device)
-    pos = torch.arange(32, device=device).expand(2, 32)
-    mask = torch.triu(torch.ones(32, 32, dtype=torch.bool, device=device), 1)[None, None]
+    ids, pos, mask, _ = batch(seq=32, device=device)
     assert model(ids, pos, mask).shape == (2, 32, 128)
 
 
