@@ -70,7 +70,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from mhc_megatron.kernels import loaded_ops
+from mhc_megatron.kernels import host_replay, loaded_ops
 
 _ACTIVE_BLOCK: contextvars.ContextVar["_BlockState | None"] = contextvars.ContextVar(
     "mhc_active_recompute_block", default=None)
@@ -291,8 +291,6 @@ def _hooks():
     ``unpack_saved`` where the native hooks are on and the extension is built, else the Python
     ones."""
     if _NATIVE_HOOKS:
-        from mhc_megatron.kernels import host_replay
-
         ext = host_replay.extension()
         if ext is not None:
             return ext.SavedRanges, ext.unpack_saved
@@ -312,7 +310,8 @@ class _BlockState:
         self.native = ranges is not _AddressRanges
         self.pack_hook = self.ranges.pack  # one bound method: the hooks' stack holds it
         self.outputs: dict[int, tuple] | None = None
-        self.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        enabled = torch.is_autocast_enabled("cuda")  # (the dtype only matters where enabled)
+        self.autocast = (enabled, torch.get_autocast_dtype("cuda") if enabled else None)
 
     @property
     def packed_ops(self) -> set[int]:
@@ -386,9 +385,10 @@ class _BlockState:
         off, op calls not replayed from C++ now)."""
         if not (self.native and _NATIVE_REPLAY):
             return None
-        from mhc_megatron.kernels import native_autograd
-
-        return native_autograd.replay_generation()
+        global _native_autograd
+        if _native_autograd is None:  # (imported on first use: it imports the Triton ops)
+            from mhc_megatron.kernels import native_autograd as _native_autograd
+        return _native_autograd.replay_generation()
 
     def _learn(self, op: int, flat: list | None, args: list, runs: list, outputs: dict,
                generation: int) -> None:
@@ -483,7 +483,7 @@ class MHCRecomputeManager:
         return chunk_offset, (layer_number - 1 - chunk_offset) // self.block_size
 
     def _state_for(self, layer_number: int, chunk_offset: int = 0) -> _BlockState:
-        block = self.block_of(layer_number, chunk_offset)
+        block = (chunk_offset, (layer_number - 1 - chunk_offset) // self.block_size)  # block_of
         cur = self._current() if self._current is not None else None
         # A new block starts at a block boundary, and a new forward pass (the layer numbers
         # go back to the start) starts new blocks too.
@@ -684,6 +684,8 @@ class _ReplayFusion:
 
 
 _REPLAY_FUSIONS: dict[Callable, _ReplayFusion] = {}
+_FUSIONS_OF: tuple = ()  # the loaded backends whose fusions are registered
+_native_autograd = None  # mhc_megatron.kernels.native_autograd, once a block replays natively
 
 
 def register_replay_fusion(first: Callable, second: Callable, fused: Callable) -> None:
@@ -703,9 +705,14 @@ def _register_kernel_fusions() -> None:
     """Register the replay fusion of every kernel backend loaded so far that has one
     (``MHCOps.replay_combine_aggregate``: its combine and its aggregate). Runs before each
     block's replay: the ops a block recorded were loaded in its forward."""
-    for ops in loaded_ops():
+    global _FUSIONS_OF
+    loaded = loaded_ops()
+    if loaded == _FUSIONS_OF:  # (registered at the last block's replay already)
+        return
+    for ops in loaded:
         if ops.replay_combine_aggregate is not None and ops.combine not in _REPLAY_FUSIONS:
             register_replay_fusion(ops.combine, ops.aggregate, ops.replay_combine_aggregate)
+    _FUSIONS_OF = loaded
 
 
 _MANAGERS: dict[int, MHCRecomputeManager] = {}
