@@ -483,7 +483,7 @@ class MHCRecomputeManager:
         return chunk_offset, (layer_number - 1 - chunk_offset) // self.block_size
 
     def _state_for(self, layer_number: int, chunk_offset: int = 0) -> _BlockState:
-        block = (chunk_offset, (layer_number - 1 - chunk_offset) // self.block_size)  # block_of
+        block = self.block_of(layer_number, chunk_offset)
         cur = self._current() if self._current is not None else None
         # A new block starts at a block boundary, and a new forward pass (the layer numbers
         # go back to the start) starts new blocks too.
@@ -684,7 +684,6 @@ class _ReplayFusion:
 
 
 _REPLAY_FUSIONS: dict[Callable, _ReplayFusion] = {}
-_FUSIONS_OF: tuple = ()  # the loaded backends whose fusions are registered
 _native_autograd = None  # mhc_megatron.kernels.native_autograd, once a block replays natively
 
 
@@ -705,14 +704,9 @@ def _register_kernel_fusions() -> None:
     """Register the replay fusion of every kernel backend loaded so far that has one
     (``MHCOps.replay_combine_aggregate``: its combine and its aggregate). Runs before each
     block's replay: the ops a block recorded were loaded in its forward."""
-    global _FUSIONS_OF
-    loaded = loaded_ops()
-    if loaded == _FUSIONS_OF:  # (registered at the last block's replay already)
-        return
-    for ops in loaded:
+    for ops in loaded_ops():
         if ops.replay_combine_aggregate is not None and ops.combine not in _REPLAY_FUSIONS:
             register_replay_fusion(ops.combine, ops.aggregate, ops.replay_combine_aggregate)
-    _FUSIONS_OF = loaded
 
 
 _MANAGERS: dict[int, MHCRecomputeManager] = {}
