@@ -26,15 +26,29 @@ find_python() {
   return 1
 }
 
+# pip install, quiet, without its "Location" warnings; fails with pip's own exit status
+pip_install() {
+  "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
+
+install_failed() {
+  local free
+  free="$(df -Ph "$ROOT" 2>/dev/null | awk 'NR == 2 {print $4}')"
+  echo "error: $1 (the messages above say why). The venv needs about 6 GB of disk (torch's" \
+       "CUDA build); ${free:-?} is free under $ROOT. Fix what they name (disk space, the" \
+       "network, a version pin), then run the command again: it resumes in the same venv." >&2
+  exit 1
+}
+
 stamp="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.mhc-stamp" 2>/dev/null)" != "$stamp" ]; then
   PY="$(find_python)"
   echo "[venv] creating $VENV with $PY ($("$PY" --version))"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test,demo]" 2>&1 | grep -v "^WARNING: Location" || true
+  pip_install --upgrade pip || echo "warning: upgrading pip in $VENV failed; going on with its pip" >&2
+  pip_install -e "$ROOT[test,demo]" || install_failed "pip could not install mhc-megatron into $VENV"
   "$VENV/bin/python" -W ignore -c "import mhc_megatron, megatron.core, torch, pytest" \
-    || { echo "error: installing mhc-megatron into $VENV failed" >&2; exit 1; }
+    || install_failed "mhc-megatron, megatron.core, torch or pytest does not import from $VENV"
   echo "$stamp" > "$VENV/.mhc-stamp"
 fi
 export PATH="$VENV/bin:$PATH"
