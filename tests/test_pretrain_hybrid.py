@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 from helpers import (LOCAL_MODULE_FLAGS, MHC_FLAGS, PRETRAIN_DEVICES, PRETRAIN_ITERS,
-                     SavedAtIteration3, assert_close, batch, needs_2_gpus, needs_gpu, needs_te_norms,
-                     pretrain, shared_run, write_pretrain_corpus)
+                     SavedAtIteration3, assert_close, batch, needs_2_gpus, needs_gpu,
+                     needs_te_norms, pretrain, shared_run, write_pretrain_corpus)
 
 ITERS = PRETRAIN_ITERS
 LOG = ["--log-grad-norm"]

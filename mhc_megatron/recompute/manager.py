@@ -356,8 +356,6 @@ class _BlockState:
         enabled, dtype = self.autocast
         autocast = (torch.autocast("cuda", dtype=dtype) if enabled
                     else contextlib.nullcontext())
-        if generation is not None:  # (the extension is built: its module imports)
-            from mhc_megatron.kernels.host_replay import observing
         with torch.no_grad(), autocast:
             for op in sorted(needed):
                 if op in outputs:  # replayed with the op before it (_replay_fused)
@@ -365,7 +363,7 @@ class _BlockState:
                 fn, args, kwargs, _ = ops[op]
                 args = [a.resolve(outputs) if isinstance(a, _OutputView) else a for a in args]
                 runs = None if generation is None else []
-                with contextlib.nullcontext() if runs is None else observing(runs):
+                with contextlib.nullcontext() if runs is None else host_replay.observing(runs):
                     flat = self._replay_fused(ops, op, args, kwargs, needed, outputs)
                     if flat is None:
                         out = fn(*args, **kwargs)
