@@ -125,8 +125,10 @@ def _load() -> None:
                           "once per machine, about 30 s; torch caches the build)")
                 csrc = os.path.join(os.path.dirname(__file__), "csrc")
                 sources = [os.path.join(csrc, name) for name in _SOURCES]
+                # a release build, as torch's own: NDEBUG drops the debug-only checks of the
+                # pybind11 and c10 headers (pybind11's GIL check on every reference count)
                 _extension = cpp_extension.load("mhc_host_replay", sources,
-                                                extra_cflags=["-O2"], verbose=False)
+                                                extra_cflags=["-O2", "-DNDEBUG"], verbose=False)
             except Exception as error:  # no compiler, no ninja, a failed build
                 first = (str(error).strip().splitlines() or [""])[0][:300]
                 reason = f"the extension did not build ({type(error).__name__}: {first})"
