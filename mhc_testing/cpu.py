@@ -102,25 +102,22 @@ def setup_cpu_megatron(seed: int = 1234) -> None:
     _INSTALLED = True
 
 
-def init_single_process_group(port: int | None = None) -> None:
-    """Start a one-rank gloo (CPU) or nccl (GPU) process group if none is running."""
+def init_single_process_group() -> None:
+    """Start a one-rank gloo (CPU) or nccl (GPU) process group if none is running: on an
+    in-process store (``torch.distributed.HashStore``: no TCP port, so no race with other
+    processes for a free one), or through the launcher's rendezvous where the launch variables
+    name one (``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``: a torchrun-launched rank)."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "MASTER_PORT" not in os.environ and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SequenceParallelTorchNorm(torch.nn.Module):

@@ -237,8 +237,9 @@ LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_R
 
 def child_env(cpu_only: bool = False, **extra) -> dict:
     """The environment of a child process: unbuffered, one OpenMP thread, warnings off, and
-    none of this process's launch variables unless given in ``extra`` (a test's own process
-    group holds its MASTER_PORT). ``cpu_only``: no CUDA device, also on a GPU host."""
+    none of this process's launch variables unless given in ``extra`` (a child's one-rank
+    process group then runs on a store of its own, not on this process's launcher's port).
+    ``cpu_only``: no CUDA device, also on a GPU host."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore", **extra}
     if cpu_only:

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(*argv: str, env: dict | None = None) -> str:
-    """Run a benchmark script in a child process; its stdout. Not with this process's
-    MASTER_PORT (set when an earlier test started the one-rank process group): the child's
-    group would try to listen on the port this process holds."""
+    """Run a benchmark script in a child process; its stdout. Not with a MASTER_PORT of this
+    process's environment (a launcher's): the child's one-rank group would try to listen on
+    the port the launcher holds, where without it the group runs on a store of its own."""
     base = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**base, **(env or {})})
