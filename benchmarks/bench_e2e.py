@@ -544,7 +544,7 @@ def isolated_run(argv: list, cfg_name: str, spec: str, run: str):
     (through its autograd graph: no Python referrer frees it), so in one process every
     such run's weights and grad buffers stay on the GPU and the next run runs out of memory.
     Returns ``measure_run``'s result and profile."""
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # (its group: a store of its own)
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # (its group: its own store)
     proc = subprocess.run(
         [sys.executable, __file__, *argv, "--child-run", json.dumps([cfg_name, spec, run])],
         env=env, stdout=subprocess.PIPE, text=True)
